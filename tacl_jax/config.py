@@ -1,0 +1,103 @@
+"""Every configuration key, with its default, in one place; ``configs/*.py`` override them.
+
+``validate(config)`` runs at start-up and turns a bad combination into a clear error before
+anything is compiled. Unknown keys are refused by ``ml_collections`` itself (configs are locked).
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from tacl_jax.models import REMAT_POLICIES
+
+OBJECTIVES = ("tacl", "mlm")
+
+
+def default_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.objective = "tacl"                 # 'tacl' (MLM + token contrastive) | 'mlm' (baseline)
+    c.seed = 0
+    c.max_len = 256
+    c.global_batch_size = 256            # sequences per optimizer step, over all hosts
+    c.grad_accum_steps = 1               # micro-batches per step (lax.scan), weighted by token count
+    c.num_train_steps = 150_000
+    c.log_every = 50
+    c.nsp = False                        # BERT's next-sentence objective (needs sentence-pair data)
+
+    c.init = ml_collections.ConfigDict()
+    c.init.hf_path = ""                  # Hugging Face BERT folder: student and teacher start here
+    c.init.tokenizer_path = ""           # default: init.hf_path
+    c.init.from_scratch = False          # required to train TaCL without hf_path (random teacher)
+    # Architecture used only when there is no hf_path (from scratch, tests, benchmarks).
+    c.init.scratch = ml_collections.ConfigDict(dict(
+        vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+        intermediate_size=3072, max_position_embeddings=512, type_vocab_size=2))
+
+    c.model = ml_collections.ConfigDict()
+    c.model.dtype = "bfloat16"           # compute dtype: 'bfloat16' | 'float32'
+    c.model.param_dtype = "float32"
+    c.model.remat_policy = "none"        # 'none' | 'full' | 'save_dots'
+    c.model.hidden_dropout_prob = 0.1
+    c.model.attention_probs_dropout_prob = 0.1
+    c.model.vocab_multiple = 128
+
+    c.masking = ml_collections.ConfigDict()
+    c.masking.mask_prob = 0.15
+    c.masking.replace_prob = 0.8         # of the selected: → [MASK]
+    c.masking.random_prob = 0.1          # of the selected: → random token (rest unchanged)
+    c.masking.max_predictions = 0        # slots per sequence; 0 = round(mask_prob · max_len)
+    c.masking.whole_word = False
+
+    c.tacl = ml_collections.ConfigDict()
+    c.tacl.temperature = 0.01
+    c.tacl.mask_pad_keys = True          # False = keep [PAD] keys in the softmax (the original)
+    c.tacl.teacher_dropout = False       # True = dropout in the teacher (the original's bug)
+    c.tacl.teacher_param_dtype = "float32"  # 'bfloat16' halves the teacher's memory
+
+    c.loss_weights = ml_collections.ConfigDict(dict(mlm=1.0, tacl=1.0, nsp=1.0))
+
+    c.optim = ml_collections.ConfigDict()
+    c.optim.learning_rate = 1e-4
+    c.optim.warmup_steps = -1            # -1: use warmup_fraction
+    c.optim.warmup_fraction = 0.1
+    c.optim.weight_decay = 0.0
+    c.optim.b1 = 0.9
+    c.optim.b2 = 0.999
+    c.optim.eps = 1e-8
+    c.optim.clip_norm = 1.0              # 0 = no clipping
+
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+    c.logical_axis_rules = ()            # empty = tacl_jax.parallel.LOGICAL_AXIS_RULES
+
+    c.distributed = ml_collections.ConfigDict()
+    c.distributed.initialize = "auto"    # 'auto' | 'always' | 'never'
+    c.distributed.coordinator_address = ""
+    c.distributed.num_processes = 1
+    c.distributed.process_id = 0
+    c.distributed.local_device_ids = ()
+
+    c.data = ml_collections.ConfigDict()
+    c.data.source = "synthetic"          # random ids shaped like packed BERT sequences
+    c.data.short_seq_prob = 0.1
+    return c
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+    """Checks that need no devices. Device-dependent checks live in ``tacl_jax.train.loop``."""
+    if c.objective not in OBJECTIVES:
+        raise ValueError(f"config.objective={c.objective!r}: use one of {OBJECTIVES}")
+    if c.model.remat_policy not in REMAT_POLICIES:
+        raise ValueError(f"config.model.remat_policy={c.model.remat_policy!r}: use one of {REMAT_POLICIES}")
+    if c.objective == "tacl" and not c.init.hf_path and not c.init.from_scratch:
+        raise ValueError("TaCL needs a pretrained teacher: set config.init.hf_path to a Hugging Face BERT "
+                         "folder, or config.init.from_scratch=True to train against a random teacher "
+                         "(meaningful only for tests and benchmarks)")
+    if c.global_batch_size <= 0 or c.num_train_steps <= 0 or c.max_len < 5:
+        raise ValueError("global_batch_size and num_train_steps must be positive and max_len >= 5")
+    if c.grad_accum_steps < 1 or c.global_batch_size % c.grad_accum_steps:
+        raise ValueError(f"global_batch_size {c.global_batch_size} is not divisible by "
+                         f"grad_accum_steps {c.grad_accum_steps}")
+    if not 0 < c.masking.mask_prob < 1 or c.masking.replace_prob + c.masking.random_prob > 1:
+        raise ValueError("masking: need 0 < mask_prob < 1 and replace_prob + random_prob <= 1")
+    if c.tacl.temperature <= 0:
+        raise ValueError("tacl.temperature must be positive")

@@ -1,0 +1,1 @@
+"""Input data for pre-training."""

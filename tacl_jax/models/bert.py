@@ -1,0 +1,296 @@
+"""BERT in Flax Linen, functionally identical to Hugging Face's ``BertForPreTraining``.
+
+One module serves the student and the frozen teacher: they are two parameter trees applied to the
+same ``BertModel``. Every parameter carries logical axis names (``vocab``, ``embed``, ``heads``,
+``kv``, ``mlp``, ``position``, ``type``) and the main activations carry ``activation_*`` names;
+``tacl_jax.parallel`` maps them onto the device mesh. The model knows nothing about meshes.
+
+Parameter tree (names mirror the Hugging Face checkpoint, see ``tacl_jax.hf``)::
+
+    embeddings/{word_embeddings,position_embeddings,token_type_embeddings}/embedding, LayerNorm
+    encoder/layer_{i}/attention/{query,key,value}/kernel [H, heads, head_dim], bias [heads, head_dim]
+    encoder/layer_{i}/attention/output/kernel [heads, head_dim, H], bias [H]; attention_norm
+    encoder/layer_{i}/intermediate/kernel [H, I]; output/kernel [I, H]; output_norm
+    pooler/{kernel,bias}                       (when ``with_pooler``)
+    mlm_transform/{kernel,bias}, mlm_norm, mlm_bias [V_padded]    (when ``with_mlm_head``)
+    nsp/{kernel,bias}                          (when ``with_nsp_head``)
+
+The MLM decoder is tied to the word embeddings, whose rows are padded to a multiple of
+``vocab_multiple`` (128) so the vocabulary dimension shards and tiles evenly; the padded rows are
+never returned and never win a softmax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from tacl_jax.models.layers import Dense, LayerNorm, gelu, matmul
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+REMAT_POLICIES = ("none", "full", "save_dots")
+
+
+def to_dtype(name: str | Any) -> Any:
+    if not isinstance(name, str):
+        return name
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+    """Architecture and numerics. Field names follow Hugging Face's ``BertConfig``."""
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    initializer_range: float = 0.02
+    pad_token_id: int = 0
+    # Heads. The pooler is part of HF's BertModel/BertForPreTraining, so it is kept by default
+    # (an export as BertModel then has no missing keys) even when NSP is off.
+    with_pooler: bool = True
+    with_mlm_head: bool = True
+    with_nsp_head: bool = False
+    # Numerics: parameters in ``param_dtype``, matmuls and activations in ``dtype``.
+    dtype: str = "bfloat16"
+    param_dtype: str = "float32"
+    vocab_multiple: int = 128
+    remat_policy: str = "none"
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by "
+                             f"num_attention_heads {self.num_attention_heads}")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"remat_policy {self.remat_policy!r} is not one of {REMAT_POLICIES}")
+        to_dtype(self.dtype), to_dtype(self.param_dtype)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.vocab_multiple
+        return -(-self.vocab_size // m) * m
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def replace(self, **kw) -> "BertConfig":
+        return dataclasses.replace(self, **kw)
+
+
+@flax.struct.dataclass
+class BertOutput:
+    """``last_hidden_state [B, L, H]``; ``mlm_logits`` ``[B, L, V]`` or ``[B, P, V]`` at gathered
+    positions (V = the unpadded vocabulary; f32); ``hidden_states``: embeddings output then every
+    layer, each ``[B, L, H]`` (when asked); ``pooled [B, H]``; ``nsp_logits [B, 2]``."""
+
+    last_hidden_state: jax.Array
+    mlm_logits: jax.Array | None = None
+    hidden_states: tuple[jax.Array, ...] | None = None
+    pooled: jax.Array | None = None
+    nsp_logits: jax.Array | None = None
+
+    def __getitem__(self, key):  # mapping-style access, as the API documents
+        return getattr(self, key)
+
+
+def _embed_param(module: nn.Module, name: str, num: int, features: int, axes, cfg: BertConfig):
+    return module.param(name, nn.with_logical_partitioning(
+        nn.initializers.normal(cfg.initializer_range), axes), (num, features), to_dtype(cfg.param_dtype))
+
+
+class Embeddings(nn.Module):
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, input_ids, token_type_ids, deterministic: bool):
+        cfg = self.config
+        dtype = to_dtype(cfg.dtype)
+        word = nn.Embed(cfg.padded_vocab_size, cfg.hidden_size, dtype=dtype,
+                        param_dtype=to_dtype(cfg.param_dtype),
+                        embedding_init=nn.with_logical_partitioning(
+                            nn.initializers.normal(cfg.initializer_range), ("vocab", "embed")),
+                        name="word_embeddings")
+        pos = nn.Embed(cfg.max_position_embeddings, cfg.hidden_size, dtype=dtype,
+                       param_dtype=to_dtype(cfg.param_dtype),
+                       embedding_init=nn.with_logical_partitioning(
+                           nn.initializers.normal(cfg.initializer_range), ("position", "embed")),
+                       name="position_embeddings")
+        typ = nn.Embed(cfg.type_vocab_size, cfg.hidden_size, dtype=dtype,
+                       param_dtype=to_dtype(cfg.param_dtype),
+                       embedding_init=nn.with_logical_partitioning(
+                           nn.initializers.normal(cfg.initializer_range), ("type", "embed")),
+                       name="token_type_embeddings")
+        length = input_ids.shape[1]
+        # Sum in f32, as HF does in fp32, then one rounding to the compute dtype.
+        x = (word(input_ids).astype(jnp.float32) + pos(jnp.arange(length)[None]).astype(jnp.float32)
+             + typ(token_type_ids).astype(jnp.float32))
+        x = LayerNorm(cfg.layer_norm_eps, dtype, to_dtype(cfg.param_dtype), name="LayerNorm")(x)
+        x = nn.Dropout(cfg.hidden_dropout_prob)(x, deterministic=deterministic)
+        return nn.with_logical_constraint(x, ("activation_batch", "activation_length", "activation_embed"))
+
+    def attend(self, hidden: jax.Array) -> jax.Array:
+        """Tied decoder: ``hidden [..., H] -> logits [..., V_padded]`` (f32) with the word embeddings."""
+        cfg = self.config
+        table = self.variables["params"]["word_embeddings"]["embedding"]
+        table = nn.meta.unbox(table) if isinstance(table, nn.meta.AxisMetadata) else table
+        h = hidden.reshape(-1, hidden.shape[-1])
+        logits = matmul(h, table.T, to_dtype(cfg.dtype))
+        return logits.reshape(hidden.shape[:-1] + (table.shape[0],))
+
+
+class SelfAttention(nn.Module):
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, x, bias, deterministic: bool):
+        """``x [B, L, H]``, additive ``bias [B, 1, 1, L]`` (0 or very negative) -> ``[B, L, H]``."""
+        cfg = self.config
+        dtype, pdtype = to_dtype(cfg.dtype), to_dtype(cfg.param_dtype)
+        nh, hd, h = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
+        init = nn.initializers.normal(cfg.initializer_range)
+
+        def proj(name):
+            return Dense((h,), (nh, hd), ("embed", "heads", "kv"), dtype=dtype, param_dtype=pdtype,
+                         kernel_init=init, name=name)(x)
+
+        q, k, v = proj("query"), proj("key"), proj("value")
+        q = nn.with_logical_constraint(q, ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
+        # Scores in f32 (softmax stability); operands in the compute dtype.
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+        scores = scores * (1.0 / hd ** 0.5) + bias
+        probs = jax.nn.softmax(scores, axis=-1)
+        probs = nn.Dropout(cfg.attention_probs_dropout_prob)(probs, deterministic=deterministic)
+        ctx = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(dtype), v,
+                         preferred_element_type=jnp.float32).astype(dtype)
+        out = Dense((nh, hd), (h,), ("heads", "kv", "embed"), dtype=dtype, param_dtype=pdtype,
+                    kernel_init=init, name="output")(ctx)
+        return out
+
+
+class Layer(nn.Module):
+    """A post-LN transformer layer: ``x = LN(x + Attn(x)); x = LN(x + FFN(x))``."""
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, x, bias, deterministic: bool):
+        cfg = self.config
+        dtype, pdtype = to_dtype(cfg.dtype), to_dtype(cfg.param_dtype)
+        init = nn.initializers.normal(cfg.initializer_range)
+        a = SelfAttention(cfg, name="attention")(x, bias, deterministic)
+        a = nn.Dropout(cfg.hidden_dropout_prob)(a, deterministic=deterministic)
+        x = LayerNorm(cfg.layer_norm_eps, dtype, pdtype, name="attention_norm")(
+            x.astype(jnp.float32) + a.astype(jnp.float32))
+        hmid = Dense((cfg.hidden_size,), (cfg.intermediate_size,), ("embed", "mlp"), dtype=dtype,
+                     param_dtype=pdtype, kernel_init=init, name="intermediate")(x)
+        hmid = nn.with_logical_constraint(gelu(hmid), ("activation_batch", "activation_length", "activation_mlp"))
+        o = Dense((cfg.intermediate_size,), (cfg.hidden_size,), ("mlp", "embed"), dtype=dtype,
+                  param_dtype=pdtype, kernel_init=init, name="output")(hmid)
+        o = nn.Dropout(cfg.hidden_dropout_prob)(o, deterministic=deterministic)
+        x = LayerNorm(cfg.layer_norm_eps, dtype, pdtype, name="output_norm")(
+            x.astype(jnp.float32) + o.astype(jnp.float32))
+        return nn.with_logical_constraint(x, ("activation_batch", "activation_length", "activation_embed"))
+
+
+def _layer_class(policy: str):
+    if policy == "none":
+        return Layer
+    if policy == "full":
+        return nn.remat(Layer, static_argnums=(3,))
+    return nn.remat(Layer, static_argnums=(3,), policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+
+
+class Encoder(nn.Module):
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, x, bias, deterministic: bool, output_hidden_states: bool):
+        cls = _layer_class(self.config.remat_policy)
+        states = [x] if output_hidden_states else None
+        for i in range(self.config.num_hidden_layers):
+            x = cls(self.config, name=f"layer_{i}")(x, bias, deterministic)
+            if output_hidden_states:
+                states.append(x)
+        return x, (tuple(states) if output_hidden_states else None)
+
+
+class BertModel(nn.Module):
+    """BERT with optional pooler, MLM and NSP heads (``BertForPreTraining`` when all are on).
+
+    ``__call__(input_ids [B, L], attention_mask [B, L] (1 = attend), token_type_ids [B, L],
+    deterministic, output_hidden_states, mlm_positions [B, P] | None, heads)``:
+      * ``heads=True``: MLM logits (at every position, or only at ``mlm_positions``, which is
+        ~15% of the vocabulary-projection cost) and NSP logits when the model has the heads.
+      * ``heads=False``: the encoder only (what the frozen teacher needs).
+    """
+
+    config: BertConfig
+
+    def setup(self):
+        cfg = self.config
+        dtype, pdtype = to_dtype(cfg.dtype), to_dtype(cfg.param_dtype)
+        init = nn.initializers.normal(cfg.initializer_range)
+        self.embeddings = Embeddings(cfg)
+        self.encoder = Encoder(cfg)
+        if cfg.with_pooler or cfg.with_nsp_head:
+            self.pooler = Dense((cfg.hidden_size,), (cfg.hidden_size,), ("embed", "embed_out"),
+                                dtype=dtype, param_dtype=pdtype, kernel_init=init)
+        if cfg.with_mlm_head:
+            self.mlm_transform = Dense((cfg.hidden_size,), (cfg.hidden_size,), ("embed", "embed_out"),
+                                       dtype=dtype, param_dtype=pdtype, kernel_init=init)
+            self.mlm_norm = LayerNorm(cfg.layer_norm_eps, dtype, pdtype)
+            self.mlm_bias = self.param("mlm_bias", nn.with_logical_partitioning(
+                nn.initializers.zeros, ("vocab",)), (cfg.padded_vocab_size,), pdtype)
+        if cfg.with_nsp_head:
+            self.nsp = Dense((cfg.hidden_size,), (2,), ("embed", None), dtype=jnp.float32,
+                             param_dtype=pdtype, kernel_init=init)
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, *, deterministic: bool = True,
+                 output_hidden_states: bool = False, mlm_positions=None, heads: bool = True) -> BertOutput:
+        cfg = self.config
+        if attention_mask is None:
+            attention_mask = jnp.ones_like(input_ids)
+        if token_type_ids is None:
+            token_type_ids = jnp.zeros_like(input_ids)
+        if input_ids.shape[1] > cfg.max_position_embeddings:
+            raise ValueError(f"sequence length {input_ids.shape[1]} exceeds max_position_embeddings "
+                             f"{cfg.max_position_embeddings}; shorten max_len")
+        x = self.embeddings(input_ids, token_type_ids, deterministic)
+        bias = jnp.where(attention_mask[:, None, None, :] > 0, 0.0, jnp.finfo(jnp.float32).min)
+        x, states = self.encoder(x, bias, deterministic, output_hidden_states)
+        out = BertOutput(last_hidden_state=x, hidden_states=states)
+        if not heads:
+            return out
+        if cfg.with_mlm_head:
+            out = out.replace(mlm_logits=self.mlm_logits(x, mlm_positions))
+        if cfg.with_pooler or cfg.with_nsp_head:
+            pooled = jnp.tanh(self.pooler(x[:, 0]).astype(jnp.float32))
+            out = out.replace(pooled=pooled)
+            if cfg.with_nsp_head:
+                out = out.replace(nsp_logits=self.nsp(pooled))
+        return out
+
+    def mlm_logits(self, hidden: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """``hidden [B, L, H]`` -> f32 logits ``[B, L, V]``, or ``[B, P, V]`` at ``positions [B, P]``."""
+        if positions is not None:
+            hidden = jnp.take_along_axis(hidden, positions[..., None].astype(jnp.int32), axis=1)
+        h = gelu(self.mlm_transform(hidden))
+        h = self.mlm_norm(h)
+        logits = self.embeddings.attend(h) + self.mlm_bias.astype(jnp.float32)
+        # Drop the padding rows of the vocabulary: they can never be predicted.
+        return logits[..., :self.config.vocab_size]

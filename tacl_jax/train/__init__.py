@@ -1,0 +1,1 @@
+"""Train state, optimizer, the fused train step and the loop."""

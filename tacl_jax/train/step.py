@@ -1,0 +1,163 @@
+"""The fused train step: masking, the frozen teacher, the student, MLM + TaCL (+ NSP) losses,
+gradient accumulation and the optimizer update, as one function for one ``jax.jit``.
+
+``train_step(state, teacher_params, batch, rng) -> (state, metrics)``:
+
+* ``batch``: global arrays ``input_ids``, ``attention_mask``, ``token_type_ids`` (``[B, L]``
+  int32), optionally ``word_starts`` ``[B, L]`` and ``next_sentence_label`` ``[B]``;
+* ``rng``: the run's base key; the step folds in ``state.step``, so masking and dropout are a
+  pure function of (seed, step) and a resumed run redraws exactly the same;
+* ``teacher_params``: frozen, a separate argument, never donated; its forward is deterministic
+  (unless ``teacher_dropout``, the original's bug kept as an option) on the *original* ids and
+  sits under ``stop_gradient``, so XLA keeps none of its activations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from tacl_jax.models import BertModel
+from tacl_jax.objectives import Masked, mask_tokens, objective_sums, ratios, total_loss
+from tacl_jax.train.state import TrainState
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Everything the step needs besides arrays; built once from the run's config."""
+
+    objective: str                      # 'tacl' | 'mlm'
+    max_predictions: int
+    mask_id: int
+    special_ids: tuple[int, ...]
+    mask_prob: float = 0.15
+    replace_prob: float = 0.8
+    random_prob: float = 0.1
+    whole_word: bool = False
+    temperature: float = 0.01
+    mask_pad_keys: bool = True
+    teacher_dropout: bool = False
+    nsp: bool = False
+    weights: tuple[tuple[str, float], ...] = (("mlm", 1.0), ("tacl", 1.0), ("nsp", 1.0))
+    grad_accum_steps: int = 1
+
+    @property
+    def uses_teacher(self) -> bool:
+        return self.objective == "tacl" and dict(self.weights).get("tacl", 0.0) != 0.0
+
+
+def _split_micro(x: jax.Array, k: int) -> jax.Array:
+    """``[B, ...] -> [k, B/k, ...]`` taking rows i, i+k, i+2k, ... into micro-batch i, so every
+    data-parallel shard contributes equally to each micro-batch (no resharding)."""
+    return jnp.swapaxes(x.reshape((x.shape[0] // k, k) + x.shape[1:]), 0, 1)
+
+
+def make_train_step(model: BertModel, step_cfg: StepConfig, tx: optax.GradientTransformation,
+                    schedule: Callable[[Any], Any], teacher_model: BertModel | None = None) -> Callable:
+    """Returns the un-jitted ``train_step``; ``tacl_jax.train.loop`` jits it with shardings.
+
+    ``teacher_model`` defaults to ``model``; pass the same architecture without heads (the
+    teacher's params then need only the encoder).
+    """
+    sc = step_cfg
+    teacher_model = teacher_model or model
+    weights = dict(sc.weights)
+    vocab_size = model.config.vocab_size
+
+    def loss_fn(params, teacher_params, mb, counts, dropout_rng):
+        d_student, d_teacher = jax.random.split(dropout_rng)
+        teacher_hidden = None
+        if sc.uses_teacher:
+            t = teacher_model.apply({"params": teacher_params}, mb["input_ids"], mb["attention_mask"], mb["token_type_ids"],
+                            deterministic=not sc.teacher_dropout, heads=False, rngs={"dropout": d_teacher})
+            teacher_hidden = jax.lax.stop_gradient(t.last_hidden_state)
+        out = model.apply({"params": params}, mb["masked_ids"], mb["attention_mask"], mb["token_type_ids"],
+                          deterministic=False, mlm_positions=mb["positions"], rngs={"dropout": d_student})
+        sums = objective_sums(
+            mlm_logits=out.mlm_logits, masked=_masked_from(mb), student_hidden=out.last_hidden_state,
+            teacher_hidden=teacher_hidden, key_mask=mb["attention_mask"] if sc.mask_pad_keys else None,
+            temperature=sc.temperature, nsp_logits=out.nsp_logits if sc.nsp else None,
+            nsp_labels=mb.get("next_sentence_label"))
+        return total_loss(sums, counts, weights), sums
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def train_step(state: TrainState, teacher_params, batch: dict, rng: jax.Array):
+        step_rng = jax.random.fold_in(rng, state.step)
+        mask_rng, dropout_rng = jax.random.split(step_rng)
+        masked = mask_tokens(mask_rng, batch["input_ids"], batch["attention_mask"],
+                             max_predictions=sc.max_predictions, mask_id=sc.mask_id, vocab_size=vocab_size,
+                             special_ids=sc.special_ids, mask_prob=sc.mask_prob, replace_prob=sc.replace_prob,
+                             random_prob=sc.random_prob,
+                             word_starts=batch.get("word_starts") if sc.whole_word else None)
+        mb = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                  token_type_ids=batch["token_type_ids"], masked_ids=masked.input_ids, selected=masked.selected,
+                  positions=masked.positions, targets=masked.targets, weights=masked.weights)
+        if sc.nsp:
+            mb["next_sentence_label"] = batch["next_sentence_label"]
+        # Denominators of the whole global batch: each micro-batch's loss is its sum divided by
+        # these, so accumulated gradients are weighted by token count exactly.
+        counts = dict(n_pred=masked.weights.sum(), n_anchor=masked.selected.sum().astype(jnp.float32),
+                      n_seq=jnp.asarray(batch["input_ids"].shape[0], jnp.float32))
+        k = sc.grad_accum_steps
+        if k == 1:
+            (loss, sums), grads = grad_fn(state.params, teacher_params, mb, counts, dropout_rng)
+        else:
+            micro = jax.tree.map(lambda x: _split_micro(x, k), mb)
+            rngs = jax.random.split(dropout_rng, k)
+
+            def body(carry, xs):
+                g_acc, s_acc, l_acc = carry
+                m, r = xs
+                (l, s), g = grad_fn(state.params, teacher_params, m, counts, r)
+                return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, s_acc, s), l_acc + l), None
+
+            zeros_g = jax.tree.map(jnp.zeros_like, state.params)
+            _, zeros_s = jax.eval_shape(loss_fn, state.params, teacher_params,
+                                        jax.tree.map(lambda x: x[0], micro), counts, rngs[0])
+            zeros_s = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros_s)
+            (grads, sums, loss), _ = jax.lax.scan(body, (zeros_g, zeros_s, jnp.zeros((), jnp.float32)),
+                                                  (micro, rngs))
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = dict(loss=loss, grad_norm=optax.global_norm(grads), param_norm=optax.global_norm(params),
+                       lr=jnp.asarray(schedule(state.step), jnp.float32), **ratios(sums))
+        metrics["masked_tokens"] = counts["n_pred"]
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return train_step
+
+
+def _masked_from(mb: dict) -> Masked:
+    return Masked(input_ids=mb["masked_ids"], selected=mb["selected"], positions=mb["positions"],
+                  targets=mb["targets"], weights=mb["weights"])
+
+
+def step_config_from(config, special: dict[str, int]) -> StepConfig:
+    """``StepConfig`` from the run's ``ml_collections`` config and the tokenizer's special ids."""
+    from tacl_jax.objectives import num_predictions
+
+    m = config.masking
+    max_pred = m.max_predictions if m.max_predictions > 0 else num_predictions(config.max_len, m.mask_prob)
+    return StepConfig(
+        objective=config.objective, max_predictions=int(max_pred), mask_id=int(special["mask"]),
+        special_ids=tuple(int(special[k]) for k in ("pad", "cls", "sep", "mask", "unk")),
+        mask_prob=m.mask_prob, replace_prob=m.replace_prob, random_prob=m.random_prob,
+        whole_word=m.whole_word, temperature=config.tacl.temperature, mask_pad_keys=config.tacl.mask_pad_keys,
+        teacher_dropout=config.tacl.teacher_dropout, nsp=config.nsp,
+        weights=tuple(sorted(dict(config.loss_weights).items())), grad_accum_steps=config.grad_accum_steps)
+
+
+def jit_train_step(train_step: Callable, state_shardings, teacher_shardings, batch_shardings,
+                   replicated) -> Callable:
+    """``jax.jit`` with explicit in/out shardings; the train state is donated (updated in place),
+    the teacher is not."""
+    return jax.jit(train_step, in_shardings=(state_shardings, teacher_shardings, batch_shardings, replicated),
+                   out_shardings=(state_shardings, replicated), donate_argnums=(0,))
+
+
+__all__: Sequence[str] = ("StepConfig", "make_train_step", "step_config_from", "jit_train_step")
