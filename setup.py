@@ -25,6 +25,7 @@ setup(
         "tensorflow-datasets>=4.9.7",
         "array-record>=0.5",
         "tqdm",
+        "tensorboardX",
     ],
     extras_require={
         # torch only to check that transformers loads our exports; 2.13.0 is the CPU build that

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ml_collections
 
+from tacl_jax.data import config as data_config
 from tacl_jax.models import REMAT_POLICIES
 
 OBJECTIVES = ("tacl", "mlm")
@@ -22,12 +23,19 @@ def default_config() -> ml_collections.ConfigDict:
     c.grad_accum_steps = 1               # micro-batches per step (lax.scan), weighted by token count
     c.num_train_steps = 150_000
     c.log_every = 50
+    c.eval_every = 0                     # held-out MLM/TaCL metrics every N steps (0 = off)
+    c.eval_at_end = True
+    c.eval_batches = 4                   # global batches of the held-out split per evaluation
+    c.hf_export_every = 0                # a Hugging Face export every N steps (0 = off)
+    c.export_at_end = True               # workdir/export/final: a BertForMaskedLM folder
+    c.demo_fill_mask = ""                # after training: run this sentence through the export
     c.nsp = False                        # BERT's next-sentence objective (needs sentence-pair data)
 
     c.init = ml_collections.ConfigDict()
     c.init.hf_path = ""                  # Hugging Face BERT folder: student and teacher start here
     c.init.tokenizer_path = ""           # default: init.hf_path
     c.init.from_scratch = False          # required to train TaCL without hf_path (random teacher)
+    c.init.params_from = ""              # another run's workdir: start from its latest params
     # Architecture used only when there is no hf_path (from scratch, tests, benchmarks).
     c.init.scratch = ml_collections.ConfigDict(dict(
         vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
@@ -67,6 +75,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.optim.clip_norm = 1.0              # 0 = no clipping
 
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+    c.mesh_devices = 0                   # use only the first N devices (0 = all)
     c.logical_axis_rules = ()            # empty = tacl_jax.parallel.LOGICAL_AXIS_RULES
 
     c.distributed = ml_collections.ConfigDict()
@@ -76,9 +85,16 @@ def default_config() -> ml_collections.ConfigDict:
     c.distributed.process_id = 0
     c.distributed.local_device_ids = ()
 
-    c.data = ml_collections.ConfigDict()
-    c.data.source = "synthetic"          # random ids shaped like packed BERT sequences
-    c.data.short_seq_prob = 0.1
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every = 1000            # save every N steps (also at the end and on SIGTERM)
+    c.checkpoint.keep = 3                # the N most recent are kept ...
+    c.checkpoint.keep_every = 0          # ... plus every K-th step permanently (0 = none)
+    c.checkpoint.async_save = True
+
+    c.metrics = ml_collections.ConfigDict()
+    c.metrics.peak_flops_per_device = 0.0  # for MFU; 0 = tacl_jax.flops.PEAK_FLOPS by device kind
+
+    c.data = data_config.default_config()
     return c
 
 
@@ -88,7 +104,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
         raise ValueError(f"config.objective={c.objective!r}: use one of {OBJECTIVES}")
     if c.model.remat_policy not in REMAT_POLICIES:
         raise ValueError(f"config.model.remat_policy={c.model.remat_policy!r}: use one of {REMAT_POLICIES}")
-    if c.objective == "tacl" and not c.init.hf_path and not c.init.from_scratch:
+    data_config.validate(c.data)
+    if c.nsp and c.data.packing != "nsp_pairs" and c.data.source != "synthetic":
+        raise ValueError("config.nsp=True needs sentence pairs: set config.data.packing='nsp_pairs'")
+    if c.objective == "tacl" and not (c.init.hf_path or c.init.params_from) and not c.init.from_scratch:
         raise ValueError("TaCL needs a pretrained teacher: set config.init.hf_path to a Hugging Face BERT "
                          "folder, or config.init.from_scratch=True to train against a random teacher "
                          "(meaningful only for tests and benchmarks)")

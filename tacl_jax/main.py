@@ -20,9 +20,32 @@ def main(argv):
 
     logging.basicConfig(level=logging.INFO, force=True,
                         format=f"%(asctime)s [p{jax.process_index()}] %(name)s: %(message)s")
+    # Orbax and grain log every save phase at INFO through absl; keep the console readable.
+    logging.getLogger("absl").setLevel(logging.WARNING)
     from tacl_jax.train.loop import train_and_evaluate
 
-    train_and_evaluate(FLAGS.config, FLAGS.workdir)
+    result = train_and_evaluate(FLAGS.config, FLAGS.workdir)
+    text = FLAGS.config.demo_fill_mask
+    if text and result["status"] != "preempted" and jax.process_index() == 0:
+        _show_fill_mask(FLAGS.workdir, text)
+
+
+def _show_fill_mask(workdir: str, text: str) -> None:
+    """Load the final export with ``transformers`` and print a fill-mask example."""
+    import os
+
+    from tacl_jax.convert import fill_mask
+    from tacl_jax.train.loop import export_dir
+
+    path = export_dir(os.path.abspath(workdir), "final")
+    try:
+        top = fill_mask(path, text)
+    except ImportError:
+        print(f"(install torch to run the fill-mask example on {path})")
+        return
+    print(f"\nfill-mask with transformers.AutoModelForMaskedLM from {path}:\n  {text}")
+    for token, p in top:
+        print(f"  {token:>15s}  {p:.3f}")
 
 
 if __name__ == "__main__":

@@ -27,3 +27,10 @@ def minilm_dir() -> str:
     path = pathlib.Path(spec.origin).parent / "model"
     assert (path / "model.safetensors").is_file(), f"no weights in {path}"
     return str(path)
+
+
+def pytest_configure(config):
+    import jax
+
+    # Tiny models: compile time dominates, and XLA's heavy optimisations buy nothing here.
+    jax.config.update("jax_disable_most_optimizations", True)

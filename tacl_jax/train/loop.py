@@ -17,13 +17,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tacl_jax import checkpoint, hf, parallel, tokens
 from tacl_jax import config as config_lib
-from tacl_jax import hf, parallel, tokens
-from tacl_jax.data import synthetic
+from tacl_jax import data as data_lib
+from tacl_jax.flops import peak_flops_per_device, step_flops
 from tacl_jax.models import BertConfig, BertModel, to_dtype
+from tacl_jax.objectives import mask_tokens, objective_sums, ratios
 from tacl_jax.train.optimizer import make_optimizer
 from tacl_jax.train.state import TrainState
-from tacl_jax.train.step import jit_train_step, make_train_step, step_config_from
+from tacl_jax.train.step import StepConfig, make_train_step, step_config_from
 
 log = logging.getLogger(__name__)
 
@@ -34,17 +36,33 @@ class NonFiniteLossError(RuntimeError):
 
 # ----------------------------------------------------------------------------- model
 
-def build_model(config) -> tuple[BertModel, dict | None]:
-    """The student's module and, when ``init.hf_path`` is set, its pretrained params (numpy)."""
+def _bert_config(config, architecture: BertConfig | None) -> BertConfig:
     numerics = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype,
                     remat_policy=config.model.remat_policy, vocab_multiple=config.model.vocab_multiple,
                     hidden_dropout_prob=config.model.hidden_dropout_prob,
                     attention_probs_dropout_prob=config.model.attention_probs_dropout_prob,
-                    with_nsp_head=config.nsp, with_pooler=True, with_mlm_head=True)
+                    with_nsp_head=bool(config.nsp), with_pooler=True, with_mlm_head=True)
+    if architecture is not None:
+        return architecture.replace(**numerics)
+    return BertConfig(**dict(config.init.scratch), **numerics)
+
+
+def model_from_config(config) -> BertModel:
+    """The student's module alone: the architecture of ``init.hf_path`` (its config.json) or
+    ``init.scratch``, the numerics of ``config.model``. Reads no weights."""
+    arch = hf.read_config(config.init.hf_path) if config.init.hf_path else None
+    return BertModel(_bert_config(config, arch))
+
+
+def build_model(config) -> tuple[BertModel, dict | None]:
+    """The student's module and, when ``init.hf_path`` is set, its pretrained params (numpy)."""
     if config.init.hf_path:
-        model, params = hf.load(config.init.hf_path, seed=config.seed, **numerics)
-        return model, params
-    return BertModel(BertConfig(**dict(config.init.scratch), **numerics)), None
+        cfg = _bert_config(config, hf.read_config(config.init.hf_path))
+        overrides = {f: getattr(cfg, f) for f in ("dtype", "param_dtype", "remat_policy", "vocab_multiple",
+                                                  "hidden_dropout_prob", "attention_probs_dropout_prob",
+                                                  "with_nsp_head", "with_pooler", "with_mlm_head")}
+        return hf.load(config.init.hf_path, seed=config.seed, **overrides)
+    return model_from_config(config), None
 
 
 def teacher_of(model: BertModel) -> BertModel:
@@ -81,34 +99,50 @@ def check_model(config, model: BertModel) -> None:
 
 # ----------------------------------------------------------------------------- state
 
+def _init_params_fn(model: BertModel, max_len: int):
+    def init_params(rng):
+        return model.init(rng, jnp.zeros((1, max_len), jnp.int32))["params"]
+    return init_params
+
+
+def state_shardings(model: BertModel, tx, mesh, rules, max_len: int):
+    """``(abstract TrainState with shardings, TrainState of shardings)`` without allocating."""
+    init_params = _init_params_fn(model, max_len)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        abstract_boxed = jax.eval_shape(init_params, jax.random.key(0))
+        param_sh = parallel.logical_shardings(abstract_boxed, mesh, rules)
+        # Plain unboxing: ``nn.meta.unbox`` would place sharding constraints on abstract values.
+        abstract_params = jax.tree.map(lambda x: x.unbox(apply_constraint=False), abstract_boxed,
+                                       is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+        abstract_opt = jax.eval_shape(tx.init, abstract_params)
+        opt_sh = _optimizer_shardings(tx, abstract_opt, param_sh, parallel.replicated(mesh))
+    repl = parallel.replicated(mesh)
+    shardings = TrainState(step=repl, params=param_sh, opt_state=opt_sh)
+    abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=abstract_opt)
+    return checkpoint.abstract_like(abstract, shardings), shardings
+
+
 def create_state(model: BertModel, tx, mesh, rules, seed: int, max_len: int, init_params=None):
     """The student's ``TrainState`` created sharded, and its shardings.
 
-    From scratch the params are initialised on device already sharded; from a checkpoint every
-    process places its shards of the host copy.
+    From scratch the params are initialised on device already sharded (no host holds them all);
+    from a checkpoint every process places its shards of the host copy.
     """
-    def init_params_fn(rng):
-        return model.init(rng, jnp.zeros((1, max_len), jnp.int32))["params"]
-
+    abstract, shardings = state_shardings(model, tx, mesh, rules, max_len)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        abstract = jax.eval_shape(init_params_fn, jax.random.key(seed))
-        param_sh = parallel.logical_shardings(abstract, mesh, rules)
         if init_params is None:
-            params = jax.jit(lambda r: nn.meta.unbox(init_params_fn(r)), out_shardings=param_sh)(
-                jax.random.key(seed))
+            init = _init_params_fn(model, max_len)
+            params = jax.jit(lambda r: nn.meta.unbox(init(r)), out_shardings=shardings.params)(jax.random.key(seed))
         else:
-            expected = jax.tree.map(lambda a: a.shape, nn.meta.unbox(abstract))
+            expected = jax.tree.map(lambda a: tuple(a.shape), abstract.params)
             got = jax.tree.map(lambda a: tuple(a.shape), init_params)
             if jax.tree.structure(expected) != jax.tree.structure(got) or expected != got:
-                raise ValueError("the checkpoint's parameter tree does not match the model built from "
-                                 "its config (different heads or shapes)")
-            params = parallel.place(init_params, param_sh)
-        abstract_opt = jax.eval_shape(tx.init, params)
-        opt_sh = _optimizer_shardings(tx, abstract_opt, param_sh, parallel.replicated(mesh))
-        opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
-    state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), parallel.replicated(mesh)),
-                       params=params, opt_state=opt_state)
-    shardings = TrainState(step=parallel.replicated(mesh), params=param_sh, opt_state=opt_sh)
+                raise ValueError("the initial parameter tree does not match the model built from the config "
+                                 "(different heads or shapes)")
+            params = parallel.place(init_params, shardings.params)
+        opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
+    state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), shardings.step), params=params,
+                       opt_state=opt_state)
     return state, shardings
 
 
@@ -131,44 +165,128 @@ def create_teacher(student_params, param_sh, dtype: str):
     return copy(enc), enc_sh
 
 
+def initial_params(model: BertModel, mesh, rules, seed: int, max_len: int, shardings, hf_params=None):
+    """The run's starting params (sharded): the HF checkpoint's, or the seed's initialisation —
+    a pure function of the seed, so a resumed run rebuilds the same teacher."""
+    if hf_params is not None:
+        return parallel.place(hf_params, shardings)
+    init = _init_params_fn(model, max_len)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        return jax.jit(lambda r: nn.meta.unbox(init(r)), out_shardings=shardings)(jax.random.key(seed))
+
+
 # ----------------------------------------------------------------------------- metrics
 
 class MetricWriter:
-    """Console line and ``metrics.jsonl`` in the workdir, from process 0 only."""
+    """Console line, ``metrics.jsonl`` and TensorBoard events in the workdir, from process 0 only."""
 
     def __init__(self, workdir: str):
         self.enabled = jax.process_index() == 0
         self.path = os.path.join(workdir, "metrics.jsonl")
+        self.tb = None
         if self.enabled:
             os.makedirs(workdir, exist_ok=True)
+            try:
+                from tensorboardX import SummaryWriter
+                self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+            except ImportError:  # optional: JSONL and console still work
+                log.info("tensorboardX not installed: no TensorBoard events")
 
-    def write(self, step: int, metrics: dict[str, float], total_steps: int) -> None:
+    def write(self, step: int, metrics: dict[str, float], total_steps: int, prefix: str = "") -> None:
         if not self.enabled:
             return
+        row = {"step": step, **{prefix + k: v for k, v in metrics.items()}}
         with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
-        keys = [k for k in ("loss", "mlm_loss", "mlm_acc", "tacl_loss", "tacl_acc", "nsp_loss", "grad_norm", "lr")
-                if k in metrics]
-        shown = " ".join(f"{k}={metrics[k]:.4g}" for k in keys)
-        rate = metrics.get("tokens_per_s")
-        log.info("step %d/%d %s%s", step, total_steps, shown, f" tok/s={rate:,.0f}" if rate else "")
+            f.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for k, v in row.items():
+                if k != "step":
+                    self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+        keys = [k for k in ("loss", "mlm_loss", "mlm_acc", "tacl_loss", "tacl_acc", "nsp_loss", "mlm_perplexity",
+                            "grad_norm", "lr") if k in metrics]
+        shown = " ".join(f"{prefix}{k}={metrics[k]:.4g}" for k in keys)
+        extra = ""
+        if "tokens_per_s" in metrics:
+            extra = f" tok/s={metrics['tokens_per_s']:,.0f}"
+            if metrics.get("mfu"):
+                extra += f" mfu={metrics['mfu']:.1%}"
+            if metrics.get("eta_s") is not None:
+                extra += f" eta={metrics['eta_s'] / 60:.1f}min"
+        bar = _progress_bar(step, total_steps)
+        log.info("%s step %d/%d %s%s", bar, step, total_steps, shown, extra)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _progress_bar(step: int, total: int, width: int = 20) -> str:
+    done = int(width * step / max(total, 1))
+    return "[" + "#" * done + "." * (width - done) + "]"
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+def make_eval_step(model: BertModel, step_cfg: StepConfig, teacher_model: BertModel):
+    """Deterministic forward on held-out batches with a fixed mask key: the loss sums, so numbers
+    compare across runs and steps."""
+    def eval_step(params, teacher_params, batch, rng):
+        masked = mask_tokens(rng, batch["input_ids"], batch["attention_mask"],
+                             max_predictions=step_cfg.max_predictions, mask_id=step_cfg.mask_id,
+                             vocab_size=model.config.vocab_size, special_ids=step_cfg.special_ids,
+                             mask_prob=step_cfg.mask_prob, replace_prob=step_cfg.replace_prob,
+                             random_prob=step_cfg.random_prob,
+                             word_starts=batch.get("word_starts") if step_cfg.whole_word else None)
+        out = model.apply({"params": params}, masked.input_ids, batch["attention_mask"], batch["token_type_ids"],
+                          deterministic=True, mlm_positions=masked.positions)
+        teacher_hidden = None
+        if teacher_params is not None:
+            teacher_hidden = teacher_model.apply({"params": teacher_params}, batch["input_ids"],
+                                                 batch["attention_mask"], batch["token_type_ids"],
+                                                 deterministic=True, heads=False).last_hidden_state
+        return objective_sums(mlm_logits=out.mlm_logits, masked=masked, student_hidden=out.last_hidden_state,
+                              teacher_hidden=teacher_hidden,
+                              key_mask=batch["attention_mask"] if step_cfg.mask_pad_keys else None,
+                              temperature=step_cfg.temperature)
+    return eval_step
+
+
+def evaluate(p_eval, params, teacher, batches, mesh, seed: int) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for i, local in enumerate(batches):
+        sums = jax.device_get(p_eval(params, teacher, parallel.global_batch(local, mesh),
+                                     jax.random.fold_in(jax.random.key(seed), i)))
+        for k, v in sums.items():
+            total[k] = total.get(k, 0.0) + float(v)
+    out = {k: float(v) for k, v in ratios(total).items()}
+    if "mlm_loss" in out:
+        out["mlm_perplexity"] = float(math.exp(min(out["mlm_loss"], 50.0)))
+    return out
 
 
 # ----------------------------------------------------------------------------- main loop
 
 def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
-    """Train per ``config``; write metrics to ``workdir``. Returns the last step's metrics."""
+    """Train per ``config`` in ``workdir`` (resuming from its latest checkpoint when there is one).
+
+    Returns ``{"state", "metrics" (the last logged), "model", "status"}``; status is
+    ``finished`` | ``preempted`` | ``already_finished``.
+    """
     # --- start-up
     parallel.maybe_initialize_distributed(config.distributed)
     config_lib.validate(config)
     workdir = os.path.abspath(workdir) if "://" not in workdir else workdir
     rules = parallel.rules_from_config(config.logical_axis_rules)
+    ckpt = checkpoint.CheckpointManager(workdir, config.checkpoint)
+    latest = ckpt.latest_step()
 
     # --- mesh
-    mesh = parallel.make_mesh(dict(config.mesh))
+    devices = jax.devices()[:config.mesh_devices] if config.mesh_devices > 0 else jax.devices()
+    mesh = parallel.make_mesh(dict(config.mesh), devices)
     check_batch_arithmetic(config, mesh)
-    log.info("mesh %s over %d processes; global batch %d (%d per process), %d micro-batch(es)",
-             dict(mesh.shape), jax.process_count(), config.global_batch_size,
+    log.info("mesh %s: %d process(es) × %d local device(s); global batch %d = %d per process, %d micro-batch(es)",
+             dict(mesh.shape), jax.process_count(), jax.local_device_count(), config.global_batch_size,
              config.global_batch_size // jax.process_count(), config.grad_accum_steps)
 
     # --- model
@@ -177,57 +295,150 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     tok_dir = config.init.tokenizer_path or config.init.hf_path
     special = (tokens.special_ids_from_tokenizer(tok_dir) if tok_dir
                else tokens.default_special_ids(model.config.vocab_size))
-    log.info("model: %d layers, hidden %d, vocab %d (padded %d), compute %s; init %s", model.config.num_hidden_layers,
-             model.config.hidden_size, model.config.vocab_size, model.config.padded_vocab_size, model.config.dtype,
-             config.init.hf_path or "from scratch")
-
-    # --- state
-    tx, schedule = make_optimizer(config.optim, config.num_train_steps)
-    state, state_sh = create_state(model, tx, mesh, rules, config.seed, config.max_len, hf_params)
-    del hf_params
-    teacher, teacher_sh = None, None
     step_cfg = step_config_from(config, special)
+    tx, schedule = make_optimizer(config.optim, config.num_train_steps)
+    abstract_state, state_sh = state_shardings(model, tx, mesh, rules, config.max_len)
+
+    # --- state: this workdir's checkpoint → init.hf_path → init.params_from → from scratch
+    data_state = None
+    if latest is not None:
+        log.info("start-up: resuming from %s/%d", ckpt.directory, latest)
+        state, data_state, _ = ckpt.restore(latest, abstract_state)
+        if latest >= config.num_train_steps:
+            log.info("this run already finished: step %d of %d is checkpointed in %s; nothing to do",
+                     latest, config.num_train_steps, ckpt.directory)
+            ckpt.close()
+            return {"state": state, "metrics": {}, "model": model, "status": "already_finished"}
+    elif config.init.hf_path:
+        log.info("start-up: no checkpoint in %s; student and teacher from the Hugging Face checkpoint %s",
+                 ckpt.directory, config.init.hf_path)
+        state, _ = create_state(model, tx, mesh, rules, config.seed, config.max_len, hf_params)
+    elif config.init.params_from:
+        other = checkpoint.CheckpointManager(config.init.params_from, config.checkpoint)
+        step_other = other.latest_step()
+        if step_other is None:
+            raise FileNotFoundError(f"init.params_from={config.init.params_from!r} has no complete checkpoint")
+        log.info("start-up: no checkpoint in %s; params from %s/%d (optimizer state and step reset)",
+                 ckpt.directory, other.directory, step_other)
+        restored, _, _ = other.restore(step_other, abstract_state)
+        other.close()
+        state, _ = create_state(model, tx, mesh, rules, config.seed, config.max_len,
+                                jax.device_get(restored.params))
+        hf_params = jax.device_get(restored.params)
+    else:
+        log.info("start-up: no checkpoint in %s and no init.hf_path: from scratch (seed %d)",
+                 ckpt.directory, config.seed)
+        state, _ = create_state(model, tx, mesh, rules, config.seed, config.max_len)
+    start = int(jax.device_get(state.step))
+
+    teacher, teacher_sh = None, None
     if step_cfg.uses_teacher:
-        teacher, teacher_sh = create_teacher(state.params, state_sh.params, config.tacl.teacher_param_dtype)
+        init = initial_params(model, mesh, rules, config.seed, config.max_len, state_sh.params, hf_params)
+        teacher, teacher_sh = create_teacher(init, state_sh.params, config.tacl.teacher_param_dtype)
+        del init
+    del hf_params
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
-    log.info("student: %.2fM parameters; objective %s", n_params / 1e6, config.objective)
+    log.info("model: %d layers, hidden %d, vocab %d (padded %d), compute %s, %.2fM params; objective %s",
+             model.config.num_hidden_layers, model.config.hidden_size, model.config.vocab_size,
+             model.config.padded_vocab_size, model.config.dtype, n_params / 1e6, config.objective)
 
     # --- input
-    def local_batch(step: int) -> dict[str, np.ndarray]:
-        return synthetic.local_batch(
-            config.seed, step, config.global_batch_size, jax.process_index(), jax.process_count(),
-            max_len=config.max_len, vocab_size=model.config.vocab_size,
-            first_regular_id=999 if model.config.vocab_size > 2000 else 5,
-            cls_id=special["cls"], sep_id=special["sep"], pad_id=special["pad"],
-            short_seq_prob=config.data.short_seq_prob, with_nsp=config.nsp)
+    data_kwargs = dict(global_batch_size=config.global_batch_size, max_len=config.max_len, seed=config.seed,
+                       process_index=jax.process_index(), process_count=jax.process_count(),
+                       tokenizer_dir=tok_dir or None, vocab_size=model.config.vocab_size,
+                       special_ids=special, with_nsp=config.nsp)
+    train_iter = data_lib.make_train_iterator(config.data, **data_kwargs)
+    if data_state is not None:
+        train_iter.set_state(data_state)
+    if train_iter.step != start:
+        raise checkpoint.CheckpointError(f"the data iterator is at step {train_iter.step} but the "
+                                         f"train state at step {start}: the checkpoint is inconsistent")
+    eval_batches = []
+    if config.eval_every > 0 or config.eval_at_end:
+        eval_batches = data_lib.make_eval_batches(config.data, num_batches=config.eval_batches, **data_kwargs)
 
     # --- step
-    train_step = make_train_step(model, step_cfg, tx, schedule, teacher_model=teacher_of(model))
-    example = local_batch(0)
-    batch_sh = {k: parallel.batch_sharding(mesh, v.ndim) for k, v in example.items()}
-    p_step = jit_train_step(train_step, state_sh, teacher_sh, batch_sh, parallel.replicated(mesh))
+    teacher_model = teacher_of(model)
+    train_step = make_train_step(model, step_cfg, tx, schedule, teacher_model=teacher_model)
+    batch_sh = None  # inferred from the global arrays (rows over data × fsdp)
+    p_step = jax.jit(train_step, in_shardings=(state_sh, teacher_sh, batch_sh, parallel.replicated(mesh)),
+                     out_shardings=(state_sh, parallel.replicated(mesh)), donate_argnums=(0,))
+    p_eval = jax.jit(make_eval_step(model, step_cfg, teacher_model))
     rng = jax.random.key(config.seed)
+    flops = step_flops(model.config, batch=config.global_batch_size, length=config.max_len,
+                       predictions=step_cfg.max_predictions, teacher=step_cfg.uses_teacher)
+    peak = peak_flops_per_device(config.metrics.peak_flops_per_device)
 
     # --- loop; metrics are fetched one step late so the host never waits on the device.
     writer = MetricWriter(workdir)
-    start = int(state.step)
-    pending, last = None, {}
-    t_last = time.perf_counter()
-    tokens_per_step = config.global_batch_size * config.max_len
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        for step in range(start, config.num_train_steps):
-            batch = parallel.global_batch(local_batch(step), mesh)
-            state, metrics = p_step(state, teacher, batch, rng)
+    preempt = checkpoint.PreemptionFlag().install()
+    pending, last, status = None, {}, "finished"
+    timer = _Timer(start)
+    step = start
+    try:
+        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+            for step in range(start, config.num_train_steps):
+                batch = parallel.global_batch(next(train_iter), mesh)
+                state, metrics = p_step(state, teacher, batch, rng)
+                if step == start:
+                    timer.compiled()
+                if pending is not None:
+                    last = _report(pending, writer, config, timer, flops, peak) or last
+                pending = (step + 1, metrics)
+                done = step + 1
+                preempted = preempt.is_set() or ckpt.reached_preemption(done)
+                if preempted or ckpt.should_save(done) or done == config.num_train_steps:
+                    ckpt.save(done, state, train_iter.get_state(), config, force=True)
+                if config.hf_export_every > 0 and done % config.hf_export_every == 0:
+                    _export(model, state.params, workdir, f"step_{done}", tok_dir)
+                if config.eval_every > 0 and done % config.eval_every == 0 and eval_batches:
+                    writer.write(done, evaluate(p_eval, state.params, teacher, eval_batches, mesh, config.seed + 1),
+                                 config.num_train_steps, prefix="eval_")
+                if preempted:
+                    status = "preempted"
+                    log.warning("preempted: checkpoint of step %d is being written; exiting cleanly", done)
+                    break
             if pending is not None:
-                last = _report(pending, writer, config, t_last, tokens_per_step)
-                t_last = time.perf_counter()
-            pending = (step + 1, metrics)
-        if pending is not None:
-            last = _report(pending, writer, config, t_last, tokens_per_step, force=True)
-    return {"state": state, "metrics": last, "model": model}
+                last = _report(pending, writer, config, timer, flops, peak, force=True) or last
+            if status == "finished" and config.eval_at_end and eval_batches:
+                writer.write(config.num_train_steps, evaluate(p_eval, state.params, teacher, eval_batches, mesh,
+                                                              config.seed + 1), config.num_train_steps, prefix="eval_")
+            if status == "finished" and config.export_at_end:
+                _export(model, state.params, workdir, "final", tok_dir)
+    finally:
+        ckpt.wait()
+        ckpt.close()
+        preempt.uninstall()
+        writer.close()
+        train_iter.close()
+    return {"state": state, "metrics": last, "model": model, "status": status}
 
 
-def _report(pending, writer: MetricWriter, config, t_last: float, tokens_per_step: int, force: bool = False):
+def export_dir(workdir: str, name: str) -> str:
+    return os.path.join(workdir, "export", name)
+
+
+def _export(model, params, workdir: str, name: str, tok_dir: str | None) -> None:
+    out = export_dir(workdir, name)
+    hf.save(model, params, out, head="mlm", tokenizer_from=tok_dir or None)
+    log.info("exported the student as a Hugging Face BertForMaskedLM folder: %s", out)
+
+
+class _Timer:
+    """Step time, compile time and ETA from host timestamps between reports."""
+
+    def __init__(self, start_step: int):
+        self.t0 = time.perf_counter()
+        self.compile_s = None
+        self.t_last, self.step_last = None, start_step
+
+    def compiled(self):
+        # The first dispatch returns once the step is compiled (execution is asynchronous).
+        self.compile_s = time.perf_counter() - self.t0
+
+
+def _report(pending, writer: MetricWriter, config, timer: _Timer, flops: float, peak: float | None,
+            force: bool = False):
     step, metrics = pending
     host = {k: float(v) for k, v in jax.device_get(metrics).items()}
     if not math.isfinite(host["loss"]):
@@ -235,8 +446,20 @@ def _report(pending, writer: MetricWriter, config, t_last: float, tokens_per_ste
             f"non-finite loss {host['loss']} at step {step} (mlm_loss={host.get('mlm_loss')}, "
             f"tacl_loss={host.get('tacl_loss')}, grad_norm={host.get('grad_norm')}); lower "
             "optim.learning_rate, check the data, or use model.dtype=float32")
-    if force or step % config.log_every == 0 or step == 1:
-        dt = time.perf_counter() - t_last
-        host["tokens_per_s"] = tokens_per_step / dt if dt > 0 else 0.0
-        writer.write(step, host, config.num_train_steps)
+    now = time.perf_counter()
+    if not (force or step % config.log_every == 0 or step == 1):
+        return host
+    if timer.t_last is not None and step > timer.step_last:
+        dt = (now - timer.t_last) / (step - timer.step_last)
+        n_dev = jax.device_count()
+        host.update(step_time_s=dt, tokens_per_s=config.global_batch_size * config.max_len / dt,
+                    tokens_per_s_per_device=config.global_batch_size * config.max_len / dt / n_dev,
+                    tflops_per_device=flops / dt / n_dev / 1e12,
+                    eta_s=dt * (config.num_train_steps - step))
+        if peak:
+            host["mfu"] = flops / dt / n_dev / peak
+    if timer.compile_s is not None:
+        host["compile_s"] = timer.compile_s
+    timer.t_last, timer.step_last = now, step
+    writer.write(step, host, config.num_train_steps)
     return host

@@ -56,9 +56,12 @@ def _split_micro(x: jax.Array, k: int) -> jax.Array:
     return jnp.swapaxes(x.reshape((x.shape[0] // k, k) + x.shape[1:]), 0, 1)
 
 
-def make_train_step(model: BertModel, step_cfg: StepConfig, tx: optax.GradientTransformation,
-                    schedule: Callable[[Any], Any], teacher_model: BertModel | None = None) -> Callable:
-    """Returns the un-jitted ``train_step``; ``tacl_jax.train.loop`` jits it with shardings.
+def make_loss_and_grads(model: BertModel, step_cfg: StepConfig,
+                        teacher_model: BertModel | None = None) -> Callable:
+    """``loss_and_grads(params, teacher_params, batch, step_rng) -> (loss, sums, grads)``: masking,
+    both forwards, the objective and its gradient for one global batch, accumulated over
+    ``grad_accum_steps`` micro-batches. ``sums`` are the loss sums and counts (see
+    ``objectives.combined``); ``step_rng`` is the run's key already folded with the step.
 
     ``teacher_model`` defaults to ``model``; pass the same architecture without heads (the
     teacher's params then need only the encoder).
@@ -72,8 +75,9 @@ def make_train_step(model: BertModel, step_cfg: StepConfig, tx: optax.GradientTr
         d_student, d_teacher = jax.random.split(dropout_rng)
         teacher_hidden = None
         if sc.uses_teacher:
-            t = teacher_model.apply({"params": teacher_params}, mb["input_ids"], mb["attention_mask"], mb["token_type_ids"],
-                            deterministic=not sc.teacher_dropout, heads=False, rngs={"dropout": d_teacher})
+            t = teacher_model.apply({"params": teacher_params}, mb["input_ids"], mb["attention_mask"],
+                                    mb["token_type_ids"], deterministic=not sc.teacher_dropout, heads=False,
+                                    rngs={"dropout": d_teacher})
             teacher_hidden = jax.lax.stop_gradient(t.last_hidden_state)
         out = model.apply({"params": params}, mb["masked_ids"], mb["attention_mask"], mb["token_type_ids"],
                           deterministic=False, mlm_positions=mb["positions"], rngs={"dropout": d_student})
@@ -86,8 +90,7 @@ def make_train_step(model: BertModel, step_cfg: StepConfig, tx: optax.GradientTr
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def train_step(state: TrainState, teacher_params, batch: dict, rng: jax.Array):
-        step_rng = jax.random.fold_in(rng, state.step)
+    def loss_and_grads(params, teacher_params, batch: dict, step_rng: jax.Array):
         mask_rng, dropout_rng = jax.random.split(step_rng)
         masked = mask_tokens(mask_rng, batch["input_ids"], batch["attention_mask"],
                              max_predictions=sc.max_predictions, mask_id=sc.mask_id, vocab_size=vocab_size,
@@ -105,28 +108,39 @@ def make_train_step(model: BertModel, step_cfg: StepConfig, tx: optax.GradientTr
                       n_seq=jnp.asarray(batch["input_ids"].shape[0], jnp.float32))
         k = sc.grad_accum_steps
         if k == 1:
-            (loss, sums), grads = grad_fn(state.params, teacher_params, mb, counts, dropout_rng)
-        else:
-            micro = jax.tree.map(lambda x: _split_micro(x, k), mb)
-            rngs = jax.random.split(dropout_rng, k)
+            (loss, sums), grads = grad_fn(params, teacher_params, mb, counts, dropout_rng)
+            return loss, sums, grads
+        micro = jax.tree.map(lambda x: _split_micro(x, k), mb)
+        rngs = jax.random.split(dropout_rng, k)
 
-            def body(carry, xs):
-                g_acc, s_acc, l_acc = carry
-                m, r = xs
-                (l, s), g = grad_fn(state.params, teacher_params, m, counts, r)
-                return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, s_acc, s), l_acc + l), None
+        def body(carry, xs):
+            g_acc, s_acc, l_acc = carry
+            m, r = xs
+            (l, s), g = grad_fn(params, teacher_params, m, counts, r)
+            return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, s_acc, s), l_acc + l), None
 
-            zeros_g = jax.tree.map(jnp.zeros_like, state.params)
-            _, zeros_s = jax.eval_shape(loss_fn, state.params, teacher_params,
-                                        jax.tree.map(lambda x: x[0], micro), counts, rngs[0])
-            zeros_s = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros_s)
-            (grads, sums, loss), _ = jax.lax.scan(body, (zeros_g, zeros_s, jnp.zeros((), jnp.float32)),
-                                                  (micro, rngs))
+        zeros_g = jax.tree.map(jnp.zeros_like, params)
+        _, sums_shape = jax.eval_shape(loss_fn, params, teacher_params, jax.tree.map(lambda x: x[0], micro),
+                                       counts, rngs[0])
+        zeros_s = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)
+        (grads, sums, loss), _ = jax.lax.scan(body, (zeros_g, zeros_s, jnp.zeros((), jnp.float32)), (micro, rngs))
+        return loss, sums, grads
+
+    return loss_and_grads
+
+
+def make_train_step(model: BertModel, step_cfg: StepConfig, tx: optax.GradientTransformation,
+                    schedule: Callable[[Any], Any], teacher_model: BertModel | None = None) -> Callable:
+    """Returns the un-jitted ``train_step``; ``tacl_jax.train.loop`` jits it with shardings."""
+    loss_and_grads = make_loss_and_grads(model, step_cfg, teacher_model)
+
+    def train_step(state: TrainState, teacher_params, batch: dict, rng: jax.Array):
+        loss, sums, grads = loss_and_grads(state.params, teacher_params, batch, jax.random.fold_in(rng, state.step))
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = dict(loss=loss, grad_norm=optax.global_norm(grads), param_norm=optax.global_norm(params),
-                       lr=jnp.asarray(schedule(state.step), jnp.float32), **ratios(sums))
-        metrics["masked_tokens"] = counts["n_pred"]
+        metrics = dict(loss=loss, grad_norm=optax.tree.norm(grads), param_norm=optax.tree.norm(params),
+                       lr=jnp.asarray(schedule(state.step), jnp.float32), masked_tokens=sums["n_pred"],
+                       **ratios(sums))
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step
@@ -152,12 +166,4 @@ def step_config_from(config, special: dict[str, int]) -> StepConfig:
         weights=tuple(sorted(dict(config.loss_weights).items())), grad_accum_steps=config.grad_accum_steps)
 
 
-def jit_train_step(train_step: Callable, state_shardings, teacher_shardings, batch_shardings,
-                   replicated) -> Callable:
-    """``jax.jit`` with explicit in/out shardings; the train state is donated (updated in place),
-    the teacher is not."""
-    return jax.jit(train_step, in_shardings=(state_shardings, teacher_shardings, batch_shardings, replicated),
-                   out_shardings=(state_shardings, replicated), donate_argnums=(0,))
-
-
-__all__: Sequence[str] = ("StepConfig", "make_train_step", "step_config_from", "jit_train_step")
+__all__: Sequence[str] = ("StepConfig", "make_loss_and_grads", "make_train_step", "step_config_from")

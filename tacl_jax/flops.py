@@ -1,0 +1,60 @@
+"""Model FLOPs of a train step, for TFLOP/s and MFU (model FLOPs utilisation).
+
+Counted (a matmul of ``[m, k] × [k, n]`` is ``2·m·k·n`` FLOPs; element-wise work is ignored):
+
+* encoder forward per token: ``layers · (2·(4·d² + 2·d·I) + 4·L·d)`` — Q, K, V, O and the two
+  FFN matmuls, plus bidirectional attention's ``QKᵀ`` and ``PV`` over all ``L`` keys;
+* MLM head per *predicted slot* (gathered: ``P`` slots per sequence, not ``L``):
+  ``2·(d² + d·V)`` — the transform and the tied decoder;
+* student: forward + backward = 3 × forward (encoder + head);
+* teacher (TaCL): one encoder forward, no head, no backward.
+* the token-contrastive scores ``2·L·d`` per token are included for TaCL.
+
+MFU = achieved model FLOP/s per device ÷ the device's peak dense bf16 FLOP/s (table below;
+``config.metrics.peak_flops_per_device`` overrides it, e.g. for fp32 runs or unknown devices).
+"""
+
+from __future__ import annotations
+
+import jax
+
+# Peak dense bf16 FLOP/s per chip/GPU, from the vendors' spec sheets.
+PEAK_FLOPS = {
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,   # v5e
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v5": 459e12,
+    "TPU v6 lite": 918e12,   # v6e (Trillium)
+    "TPU v6e": 918e12,
+    "NVIDIA H100": 989e12,
+    "NVIDIA H200": 989e12,
+    "NVIDIA A100": 312e12,
+}
+
+
+def encoder_flops_per_token(layers: int, d: int, ffn: int, length: int) -> float:
+    return layers * (2 * (4 * d * d + 2 * d * ffn) + 4 * length * d)
+
+
+def step_flops(cfg, *, batch: int, length: int, predictions: int, teacher: bool) -> float:
+    """Model FLOPs of one optimizer step over a global batch of ``batch × length`` tokens.
+    ``cfg`` is a ``BertConfig``; ``predictions`` = MLM slots per sequence."""
+    tokens = batch * length
+    enc = encoder_flops_per_token(cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, length)
+    head = 2 * (cfg.hidden_size ** 2 + cfg.hidden_size * cfg.vocab_size) * batch * predictions
+    total = 3 * (enc * tokens + head)
+    if teacher:
+        total += enc * tokens + 3 * 2 * length * cfg.hidden_size * tokens
+    return float(total)
+
+
+def peak_flops_per_device(override: float = 0.0) -> float | None:
+    """The table's peak for this run's device kind, ``override`` when > 0, else None (unknown)."""
+    if override > 0:
+        return float(override)
+    kind = jax.devices()[0].device_kind
+    for name, peak in sorted(PEAK_FLOPS.items(), key=lambda kv: -len(kv[0])):
+        if kind.lower().startswith(name.lower()):
+            return peak
+    return None
