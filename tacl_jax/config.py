@@ -10,18 +10,20 @@ import ml_collections
 
 from tacl_jax.data import config as data_config
 from tacl_jax.models import REMAT_POLICIES
+from tacl_jax.objectives.coco_lm import coco_lm_config
 
-OBJECTIVES = ("tacl", "mlm")
+OBJECTIVES = ("tacl", "mlm", "coco_lm")
 
 
 def default_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
-    c.objective = "tacl"                 # 'tacl' (MLM + token contrastive) | 'mlm' (baseline)
+    c.objective = "tacl"                 # 'tacl' (MLM + token contrastive) | 'mlm' (baseline) | 'coco_lm'
     c.seed = 0
     c.max_len = 256
     c.global_batch_size = 256            # sequences per optimizer step, over all hosts
     c.grad_accum_steps = 1               # micro-batches per step (lax.scan), weighted by token count
     c.num_train_steps = 150_000
+    c.steps_per_run = 0                  # stop (with a checkpoint) after this many steps; 0 = run to the end
     c.log_every = 50
     c.eval_every = 0                     # held-out MLM/TaCL metrics every N steps (0 = off)
     c.eval_at_end = True
@@ -63,6 +65,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.tacl.teacher_param_dtype = "float32"  # 'bfloat16' halves the teacher's memory
 
     c.loss_weights = ml_collections.ConfigDict(dict(mlm=1.0, tacl=1.0, nsp=1.0))
+    c.coco_lm = coco_lm_config()         # used when objective == 'coco_lm'
 
     c.optim = ml_collections.ConfigDict()
     c.optim.learning_rate = 1e-4

@@ -43,6 +43,12 @@ def export_checkpoint(workdir: str, out: str, step: int | None = None, head: str
         raise ValueError(f"no checkpoint of step {step} in {ckpt_dir}; available: {steps}")
     config = ml_collections.ConfigDict(mgr.restore_config(step))
     model = loop.model_from_config(config)
+    coco = config.objective == "coco_lm"
+    if coco:  # the checkpoint holds the generator and heads too; the export is the main model
+        from tacl_jax.models.coco_lm import CocoLM
+        bert = model
+        model = CocoLM.build(bert.config.replace(with_pooler=False), config.coco_lm.generator_layers,
+                             config.coco_lm.scl_dim)
     tx, _ = make_optimizer(config.optim, config.num_train_steps)
     mesh = parallel.make_mesh(dict(data=-1, fsdp=1, tensor=1), jax.local_devices())
     abstract, _ = loop.state_shardings(model, tx, mesh, parallel.rules_from_config(config.logical_axis_rules),
@@ -54,7 +60,13 @@ def export_checkpoint(workdir: str, out: str, step: int | None = None, head: str
         os.path.isfile(os.path.join(tok, n)) for n in hf.TOKENIZER_FILES) else None
     if tok is None:
         log.warning("no tokenizer folder recorded in the run's config: the export has no tokenizer files")
-    hf.save(model, state.params, out, head=head, tokenizer_from=tok)
+    if coco:
+        model, params = model.main, state.params["main"]
+        if head == "none":
+            raise ValueError("a COCO-LM main model has no pooler: export it with --head=mlm")
+    else:
+        params = state.params
+    hf.save(model, params, out, head=head, tokenizer_from=tok)
     log.info("wrote step %d of %s as a Hugging Face %s folder: %s", step, workdir,
              "BertForMaskedLM" if head == "mlm" else "BertModel", out)
     return out

@@ -18,6 +18,10 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments {argv[1:]}; overrides look like --config.x.y=v")
     import jax
 
+    from tacl_jax import parallel
+
+    # Before anything touches the backend (the log prefix below asks for the process index).
+    parallel.maybe_initialize_distributed(FLAGS.config.distributed)
     logging.basicConfig(level=logging.INFO, force=True,
                         format=f"%(asctime)s [p{jax.process_index()}] %(name)s: %(message)s")
     # Orbax and grain log every save phase at INFO through absl; keep the console readable.

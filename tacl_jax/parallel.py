@@ -75,6 +75,9 @@ def maybe_initialize_distributed(cfg) -> None:
             kwargs["local_device_ids"] = list(cfg.local_device_ids)
     elif mode != "always" and not _looks_multi_host():
         return
+    # Cross-process collectives on CPU devices (tests, CPU clusters) go through gloo; TPU and GPU
+    # backends ignore this setting.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**kwargs)
     log.info("jax.distributed initialised: process %d of %d, %d local / %d global devices",
              jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count())

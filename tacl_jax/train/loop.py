@@ -23,6 +23,8 @@ from tacl_jax import data as data_lib
 from tacl_jax.flops import peak_flops_per_device, step_flops
 from tacl_jax.models import BertConfig, BertModel, to_dtype
 from tacl_jax.objectives import mask_tokens, objective_sums, ratios
+from tacl_jax.objectives.coco_lm import coco_ratios
+from tacl_jax.train import coco_step
 from tacl_jax.train.optimizer import make_optimizer
 from tacl_jax.train.state import TrainState
 from tacl_jax.train.step import StepConfig, make_train_step, step_config_from
@@ -204,6 +206,7 @@ class MetricWriter:
                     self.tb.add_scalar(k, v, step)
             self.tb.flush()
         keys = [k for k in ("loss", "mlm_loss", "mlm_acc", "tacl_loss", "tacl_acc", "nsp_loss", "mlm_perplexity",
+                            "gen_mlm_loss", "binary_loss", "binary_acc", "clm_loss", "scl_loss", "scl_acc",
                             "grad_norm", "lr") if k in metrics]
         shown = " ".join(f"{prefix}{k}={metrics[k]:.4g}" for k in keys)
         extra = ""
@@ -252,14 +255,14 @@ def make_eval_step(model: BertModel, step_cfg: StepConfig, teacher_model: BertMo
     return eval_step
 
 
-def evaluate(p_eval, params, teacher, batches, mesh, seed: int) -> dict[str, float]:
+def evaluate(p_eval, params, teacher, batches, mesh, seed: int, to_ratios=ratios) -> dict[str, float]:
     total: dict[str, float] = {}
     for i, local in enumerate(batches):
         sums = jax.device_get(p_eval(params, teacher, parallel.global_batch(local, mesh),
                                      jax.random.fold_in(jax.random.key(seed), i)))
         for k, v in sums.items():
             total[k] = total.get(k, 0.0) + float(v)
-    out = {k: float(v) for k, v in ratios(total).items()}
+    out = {k: float(v) for k, v in to_ratios(total).items()}
     if "mlm_loss" in out:
         out["mlm_perplexity"] = float(math.exp(min(out["mlm_loss"], 50.0)))
     return out
@@ -271,7 +274,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     """Train per ``config`` in ``workdir`` (resuming from its latest checkpoint when there is one).
 
     Returns ``{"state", "metrics" (the last logged), "model", "status"}``; status is
-    ``finished`` | ``preempted`` | ``already_finished``.
+    ``finished`` | ``preempted`` | ``paused`` (``steps_per_run`` reached) | ``already_finished``.
     """
     # --- start-up
     parallel.maybe_initialize_distributed(config.distributed)
@@ -289,13 +292,14 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
              dict(mesh.shape), jax.process_count(), jax.local_device_count(), config.global_batch_size,
              config.global_batch_size // jax.process_count(), config.grad_accum_steps)
 
-    # --- model
-    model, hf_params = build_model(config)
+    # --- model (COCO-LM: the generator, the main BERT and its heads in one parameter tree)
+    coco = config.objective == "coco_lm"
+    model, hf_params = coco_step.build_coco_model(config) if coco else build_model(config)
     check_model(config, model)
     tok_dir = config.init.tokenizer_path or config.init.hf_path
     special = (tokens.special_ids_from_tokenizer(tok_dir) if tok_dir
                else tokens.default_special_ids(model.config.vocab_size))
-    step_cfg = step_config_from(config, special)
+    step_cfg = coco_step.coco_step_config_from(config, special, mesh) if coco else step_config_from(config, special)
     tx, schedule = make_optimizer(config.optim, config.num_train_steps)
     abstract_state, state_sh = state_shardings(model, tx, mesh, rules, config.max_len)
 
@@ -312,7 +316,10 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     elif config.init.hf_path:
         log.info("start-up: no checkpoint in %s; student and teacher from the Hugging Face checkpoint %s",
                  ckpt.directory, config.init.hf_path)
-        state, _ = create_state(model, tx, mesh, rules, config.seed, config.max_len, hf_params)
+        if coco:
+            state, _ = coco_step.create_coco_state(model, tx, mesh, rules, config.seed, config.max_len, hf_params)
+        else:
+            state, _ = create_state(model, tx, mesh, rules, config.seed, config.max_len, hf_params)
     elif config.init.params_from:
         other = checkpoint.CheckpointManager(config.init.params_from, config.checkpoint)
         step_other = other.latest_step()
@@ -332,7 +339,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     start = int(jax.device_get(state.step))
 
     teacher, teacher_sh = None, None
-    if step_cfg.uses_teacher:
+    if not coco and step_cfg.uses_teacher:
         init = initial_params(model, mesh, rules, config.seed, config.max_len, state_sh.params, hf_params)
         teacher, teacher_sh = create_teacher(init, state_sh.params, config.tacl.teacher_param_dtype)
         del init
@@ -358,15 +365,25 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         eval_batches = data_lib.make_eval_batches(config.data, num_batches=config.eval_batches, **data_kwargs)
 
     # --- step
-    teacher_model = teacher_of(model)
-    train_step = make_train_step(model, step_cfg, tx, schedule, teacher_model=teacher_model)
+    if coco:
+        train_step = coco_step.make_coco_train_step(model, step_cfg, tx, schedule)
+        eval_step, eval_ratios = coco_step.make_coco_eval_step(model, step_cfg), coco_ratios
+        flops = coco_step.coco_step_flops(model, step_cfg, batch=config.global_batch_size, length=config.max_len)
+    else:
+        teacher_model = teacher_of(model)
+        train_step = make_train_step(model, step_cfg, tx, schedule, teacher_model=teacher_model)
+        eval_step, eval_ratios = make_eval_step(model, step_cfg, teacher_model), ratios
+        flops = step_flops(model.config, batch=config.global_batch_size, length=config.max_len,
+                           predictions=step_cfg.max_predictions, teacher=step_cfg.uses_teacher)
     batch_sh = None  # inferred from the global arrays (rows over data × fsdp)
     p_step = jax.jit(train_step, in_shardings=(state_sh, teacher_sh, batch_sh, parallel.replicated(mesh)),
                      out_shardings=(state_sh, parallel.replicated(mesh)), donate_argnums=(0,))
-    p_eval = jax.jit(make_eval_step(model, step_cfg, teacher_model))
+    p_eval = jax.jit(eval_step)
     rng = jax.random.key(config.seed)
-    flops = step_flops(model.config, batch=config.global_batch_size, length=config.max_len,
-                       predictions=step_cfg.max_predictions, teacher=step_cfg.uses_teacher)
+    export_model = model.main if coco else model
+
+    def export_params(params):  # what goes into a Hugging Face folder: the (main) BERT
+        return params["main"] if coco else params
     peak = peak_flops_per_device(config.metrics.peak_flops_per_device)
 
     # --- loop; metrics are fetched one step late so the host never waits on the device.
@@ -387,24 +404,30 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                 pending = (step + 1, metrics)
                 done = step + 1
                 preempted = preempt.is_set() or ckpt.reached_preemption(done)
-                if preempted or ckpt.should_save(done) or done == config.num_train_steps:
+                stop_here = config.steps_per_run > 0 and done - start >= config.steps_per_run
+                if preempted or stop_here or ckpt.should_save(done) or done == config.num_train_steps:
                     ckpt.save(done, state, train_iter.get_state(), config, force=True)
                 if config.hf_export_every > 0 and done % config.hf_export_every == 0:
-                    _export(model, state.params, workdir, f"step_{done}", tok_dir)
+                    _export(export_model, export_params(state.params), workdir, f"step_{done}", tok_dir)
                 if config.eval_every > 0 and done % config.eval_every == 0 and eval_batches:
-                    writer.write(done, evaluate(p_eval, state.params, teacher, eval_batches, mesh, config.seed + 1),
+                    writer.write(done, evaluate(p_eval, state.params, teacher, eval_batches, mesh, config.seed + 1, eval_ratios),
                                  config.num_train_steps, prefix="eval_")
                 if preempted:
                     status = "preempted"
                     log.warning("preempted: checkpoint of step %d is being written; exiting cleanly", done)
                     break
+                if stop_here and done < config.num_train_steps:
+                    status = "paused"
+                    log.info("steps_per_run=%d reached at step %d: checkpointed; rerun to continue",
+                             config.steps_per_run, done)
+                    break
             if pending is not None:
                 last = _report(pending, writer, config, timer, flops, peak, force=True) or last
             if status == "finished" and config.eval_at_end and eval_batches:
                 writer.write(config.num_train_steps, evaluate(p_eval, state.params, teacher, eval_batches, mesh,
-                                                              config.seed + 1), config.num_train_steps, prefix="eval_")
+                                                              config.seed + 1, eval_ratios), config.num_train_steps, prefix="eval_")
             if status == "finished" and config.export_at_end:
-                _export(model, state.params, workdir, "final", tok_dir)
+                _export(export_model, export_params(state.params), workdir, "final", tok_dir)
     finally:
         ckpt.wait()
         ckpt.close()
@@ -443,8 +466,9 @@ def _report(pending, writer: MetricWriter, config, timer: _Timer, flops: float, 
     host = {k: float(v) for k, v in jax.device_get(metrics).items()}
     if not math.isfinite(host["loss"]):
         raise NonFiniteLossError(
-            f"non-finite loss {host['loss']} at step {step} (mlm_loss={host.get('mlm_loss')}, "
-            f"tacl_loss={host.get('tacl_loss')}, grad_norm={host.get('grad_norm')}); lower "
+            f"non-finite loss {host['loss']} at step {step} ("
+            + ", ".join(f"{k}={v:.4g}" for k, v in host.items() if k.endswith("_loss") or k == "grad_norm")
+            + "); lower "
             "optim.learning_rate, check the data, or use model.dtype=float32")
     now = time.perf_counter()
     if not (force or step % config.log_every == 0 or step == 1):

@@ -1,0 +1,301 @@
+"""COCO-LM's fused train step (``../shared/docs/method.md`` §2): masking, the generator's MLM,
+sampling the corruption, the main model on the corrupted and the cropped views, the binary, CLM
+and SCL losses, gradient accumulation and one optimizer update of both networks, for one
+``jax.jit``.
+
+``train_step(state, teacher_params, batch, rng) -> (state, metrics)``, the TaCL step's signature
+(``teacher_params`` is ignored: pass None). ``batch``: global ``input_ids``, ``attention_mask``,
+``token_type_ids`` ``[B, L]`` int32 (optionally ``word_starts``). ``rng``: the run's base key;
+the step folds in ``state.step``.
+
+Randomness that decides *what* is computed (the mask, the sampling uniforms, the crop starts) is
+drawn for the whole global batch before the micro-batch split, so k micro-batches see exactly
+what one batch sees; only dropout is drawn per micro-batch. The generator's gradient never flows
+through the sampling: the samples are integers drawn from a pass under ``stop_gradient``; the two
+networks interact only through the shared embeddings.
+
+SCL negatives come from the (micro-)batch being computed: with ``grad_accum_steps`` = k, from the
+global micro-batch of B/k sequences ('global') or from each data shard's part of it ('local').
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from tacl_jax import flops as flops_lib
+from tacl_jax.models.coco_lm import SAMPLE_MODES, CocoLM
+from tacl_jax.objectives import mask_tokens, num_predictions
+from tacl_jax.objectives.coco_lm import (TERMS, coco_ratios, coco_sums, coco_total, corrupt, crop_views,
+                                         sample_tokens)
+from tacl_jax.train.state import TrainState
+from tacl_jax.train.step import _split_micro
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class CocoStepConfig:
+    """Everything the COCO-LM step needs besides arrays; built by ``coco_step_config_from``."""
+
+    max_predictions: int
+    mask_id: int
+    cls_id: int
+    pad_id: int
+    special_ids: tuple[int, ...]
+    mask_prob: float = 0.15
+    replace_prob: float = 1.0            # COCO-LM: every selected token → [MASK]
+    random_prob: float = 0.0
+    whole_word: bool = False
+    sample_mode: str = "eval"
+    crop_fraction: float = 0.9
+    temperature: float = 1.0
+    scl_groups: int = 1                  # 1 = global negatives; the data-parallel size = local
+    weights: tuple[tuple[str, float], ...] = (("binary", 50.0), ("clm", 1.0), ("gen_mlm", 1.0), ("scl", 1.0))
+    grad_accum_steps: int = 1
+
+    def __post_init__(self):
+        if self.sample_mode not in SAMPLE_MODES:
+            raise ValueError(f"coco_lm.generator_sample_mode={self.sample_mode!r}: use one of {SAMPLE_MODES}")
+        unknown = set(dict(self.weights)) - set(TERMS)
+        if unknown:
+            raise ValueError(f"coco_lm.loss_weights has unknown terms {sorted(unknown)}; known: {sorted(TERMS)}")
+
+
+def coco_step_config_from(config, special: dict[str, int], mesh=None) -> CocoStepConfig:
+    """From the run's config (``config.masking``, ``config.coco_lm``) and the special ids; ``mesh``
+    is needed for ``coco_lm.scl_negatives='local'`` (one negative group per data shard)."""
+    m, c = config.masking, config.coco_lm
+    if c.scl_negatives not in ("global", "local"):
+        raise ValueError(f"coco_lm.scl_negatives={c.scl_negatives!r}: use 'global' or 'local'")
+    if c.generator_layers < 1 or not 0 < c.crop_fraction <= 1 or c.temperature <= 0:
+        raise ValueError("coco_lm: need generator_layers >= 1, 0 < crop_fraction <= 1 and temperature > 0")
+    if m.replace_prob != 1.0:
+        log.warning("COCO-LM masks every selected token with [MASK]; config.masking.replace_prob=%s "
+                    "(the COCO-LM configs set 1.0)", m.replace_prob)
+    groups = 1
+    if c.scl_negatives == "local":
+        if mesh is None:
+            raise ValueError("coco_lm.scl_negatives='local' needs the mesh (one group per data shard)")
+        groups = mesh.shape["data"] * mesh.shape["fsdp"]
+    max_pred = m.max_predictions if m.max_predictions > 0 else num_predictions(config.max_len, m.mask_prob)
+    return CocoStepConfig(
+        max_predictions=int(max_pred), mask_id=int(special["mask"]), cls_id=int(special["cls"]),
+        pad_id=int(special["pad"]), special_ids=tuple(int(special[k]) for k in ("pad", "cls", "sep", "mask", "unk")),
+        mask_prob=m.mask_prob, replace_prob=m.replace_prob, random_prob=m.random_prob, whole_word=m.whole_word,
+        sample_mode=c.generator_sample_mode, crop_fraction=c.crop_fraction, temperature=c.temperature,
+        scl_groups=groups, weights=tuple(sorted(dict(c.loss_weights).items())),
+        grad_accum_steps=config.grad_accum_steps)
+
+
+def build_coco_model(config) -> tuple[CocoLM, dict | None]:
+    """The COCO-LM networks from the run's config, and the main model's pretrained params (numpy)
+    when ``init.hf_path`` is set (the generator and heads then start from the seed)."""
+    from tacl_jax.train import loop
+
+    bert, hf_params = loop.build_model(config)
+    model = CocoLM.build(bert.config.replace(with_pooler=False), config.coco_lm.generator_layers,
+                         config.coco_lm.scl_dim)
+    if hf_params is not None:
+        hf_params = {k: v for k, v in hf_params.items() if k not in ("pooler", "nsp")}
+    return model, hf_params
+
+
+def create_coco_state(model: CocoLM, tx, mesh, rules, seed: int, max_len: int, hf_main_params=None):
+    """``(TrainState, its shardings)`` created sharded (``loop.create_state``); with
+    ``hf_main_params`` the main model starts from them, the generator and heads from ``seed``."""
+    from tacl_jax import parallel
+    from tacl_jax.train import loop
+
+    state, shardings = loop.create_state(model, tx, mesh, rules, seed, max_len)
+    if hf_main_params is None:
+        return state, shardings
+    expected = jax.tree.map(lambda a: tuple(a.shape), state.params["main"])
+    got = jax.tree.map(lambda a: tuple(a.shape), hf_main_params)
+    if jax.tree.structure(expected) != jax.tree.structure(got) or expected != got:
+        raise ValueError("the Hugging Face checkpoint does not match the main model built from the config")
+    params = {**state.params, "main": parallel.place(hf_main_params, shardings.params["main"])}
+    opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
+    return state.replace(params=params, opt_state=opt_state), shardings
+
+
+def init_coco_state(config, mesh, rules, seed: int | None = None, tx=None):
+    """One call for the loop: ``(state, shardings, model)`` (``tx`` defaults to
+    ``make_optimizer(config.optim, config.num_train_steps)``)."""
+    from tacl_jax.train.optimizer import make_optimizer
+
+    model, hf_params = build_coco_model(config)
+    if tx is None:
+        tx, _ = make_optimizer(config.optim, config.num_train_steps)
+    state, shardings = create_coco_state(model, tx, mesh, rules, config.seed if seed is None else seed,
+                                         config.max_len, hf_params)
+    return state, shardings, model
+
+
+# ----------------------------------------------------------------------------- the step
+
+def prepare_batch(model: CocoLM, sc: CocoStepConfig, batch: dict, step_rng: jax.Array) -> dict:
+    """Everything random that is not dropout, for the whole global batch: the mask, one sampling
+    uniform per slot and the crop view. Returns the per-row arrays the loss reads."""
+    mask_rng, u_rng, crop_rng = jax.random.split(step_rng, 3)
+    masked = mask_tokens(mask_rng, batch["input_ids"], batch["attention_mask"],
+                         max_predictions=sc.max_predictions, mask_id=sc.mask_id, vocab_size=model.config.vocab_size,
+                         special_ids=sc.special_ids, mask_prob=sc.mask_prob, replace_prob=sc.replace_prob,
+                         random_prob=sc.random_prob,
+                         word_starts=batch.get("word_starts") if sc.whole_word else None)
+    b = batch["input_ids"].shape[0]
+    crop = crop_views(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"],
+                      jax.random.uniform(crop_rng, (b,)), fraction=sc.crop_fraction, cls_id=sc.cls_id,
+                      pad_id=sc.pad_id)
+    return dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                token_type_ids=batch["token_type_ids"], masked_ids=masked.input_ids, positions=masked.positions,
+                targets=masked.targets, weights=masked.weights,
+                sample_u=jax.random.uniform(u_rng, masked.positions.shape),
+                crop_ids=crop["input_ids"], crop_mask=crop["attention_mask"], crop_types=crop["token_type_ids"])
+
+
+def make_coco_loss_fn(model: CocoLM, sc: CocoStepConfig, deterministic: bool = False) -> Callable:
+    """``loss_fn(params, mb, counts, dropout_rng) -> (loss, sums)`` for one micro-batch ``mb``
+    (from ``prepare_batch``); ``counts`` = the global batch's ``n_pred``, ``n_tok``, ``n_view``.
+    ``deterministic``: dropout off in the training passes (evaluation)."""
+    weights = dict(sc.weights)
+    det = deterministic
+    use_scl = weights.get("scl", 0.0) != 0.0
+
+    def loss_fn(params, mb, counts, dropout_rng):
+        d_gen, d_main = jax.random.split(dropout_rng)
+        # 1. Generator MLM on the [MASK]ed input (with dropout, with gradient).
+        gen_logits = model.generator_logits(params, mb["masked_ids"], mb["attention_mask"], mb["token_type_ids"],
+                                            mb["positions"], deterministic=det, rng=d_gen)
+        # 2. Corruption: sample from a pass without gradient (and, by default, without dropout).
+        if sc.sample_mode == "eval":
+            sample_logits = model.generator_logits(jax.lax.stop_gradient(params), mb["masked_ids"],
+                                                   mb["attention_mask"], mb["token_type_ids"], mb["positions"],
+                                                   deterministic=True)
+        else:
+            sample_logits = jax.lax.stop_gradient(gen_logits)
+        samples = sample_tokens(sample_logits, mb["sample_u"])
+        x_corr, replaced = corrupt(mb["masked_ids"], mb["positions"], mb["weights"], samples, mb["input_ids"],
+                                   mb["attention_mask"])
+        # 3. The main model on the corrupted and (for SCL) the cropped views, as one batch of 2b
+        #    rows interleaved (corrupted_i, crop_i) so each data shard keeps its own rows.
+        if use_scl:
+            inter = lambda a, c: jnp.stack([a, c], axis=1).reshape((-1,) + a.shape[1:])
+            hidden = model.main_hidden(params, inter(x_corr, mb["crop_ids"]),
+                                       inter(mb["attention_mask"], mb["crop_mask"]),
+                                       inter(mb["token_type_ids"], mb["crop_types"]), deterministic=det, rng=d_main)
+            hidden = hidden.reshape((-1, 2) + hidden.shape[1:])
+            h_corr, h_crop = hidden[:, 0], hidden[:, 1]
+        else:
+            h_corr = model.main_hidden(params, x_corr, mb["attention_mask"], mb["token_type_ids"],
+                                       deterministic=det, rng=d_main)
+        binary_logits = model.binary_logits(params, h_corr)
+        clm_logits = model.clm_logits(params, h_corr, mb["positions"])
+        scl_q = scl_k = None
+        if use_scl:
+            scl_q, scl_k = model.scl_embedding(params, h_crop), model.scl_embedding(params, h_corr)
+        sums = coco_sums(gen_logits=gen_logits, targets=mb["targets"], weights=mb["weights"], replaced=replaced,
+                         attention_mask=mb["attention_mask"], binary_logits=binary_logits, clm_logits=clm_logits,
+                         positions=mb["positions"], scl_q=scl_q, scl_k=scl_k, temperature=sc.temperature,
+                         scl_groups=sc.scl_groups)
+        return coco_total(sums, counts, weights), sums
+
+    return loss_fn
+
+
+def _counts(mb: dict) -> dict[str, jax.Array]:
+    """Denominators of the whole global batch: masked slots, real tokens, SCL views (2B)."""
+    return dict(n_pred=mb["weights"].sum(), n_tok=mb["attention_mask"].sum().astype(jnp.float32),
+                n_view=jnp.asarray(2 * mb["input_ids"].shape[0], jnp.float32))
+
+
+def make_coco_loss_and_grads(model: CocoLM, sc: CocoStepConfig) -> Callable:
+    """``loss_and_grads(params, batch, step_rng) -> (loss, sums, grads)`` for one global batch,
+    accumulated over ``grad_accum_steps`` micro-batches with global-count denominators."""
+    loss_fn = make_coco_loss_fn(model, sc)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def loss_and_grads(params, batch: dict, step_rng: jax.Array):
+        prep_rng, dropout_rng = jax.random.split(step_rng)
+        mb = prepare_batch(model, sc, batch, prep_rng)
+        counts = _counts(mb)
+        k = sc.grad_accum_steps
+        if k == 1:
+            (loss, sums), grads = grad_fn(params, mb, counts, dropout_rng)
+            return loss, sums, grads
+        micro = jax.tree.map(lambda x: _split_micro(x, k), mb)
+        rngs = jax.random.split(dropout_rng, k)
+
+        def body(carry, xs):
+            g_acc, s_acc, l_acc = carry
+            m, r = xs
+            (l, s), g = grad_fn(params, m, counts, r)
+            return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, s_acc, s), l_acc + l), None
+
+        zeros_g = jax.tree.map(jnp.zeros_like, params)
+        _, sums_shape = jax.eval_shape(loss_fn, params, jax.tree.map(lambda x: x[0], micro), counts, rngs[0])
+        zeros_s = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)
+        (grads, sums, loss), _ = jax.lax.scan(body, (zeros_g, zeros_s, jnp.zeros((), jnp.float32)), (micro, rngs))
+        return loss, sums, grads
+
+    return loss_and_grads
+
+
+def make_coco_train_step(model: CocoLM, sc: CocoStepConfig, tx: optax.GradientTransformation,
+                         schedule: Callable[[Any], Any]) -> Callable:
+    """The un-jitted ``train_step(state, teacher_params, batch, rng) -> (state, metrics)``;
+    ``teacher_params`` is ignored (COCO-LM has no teacher). Metrics: ``loss`` (the total),
+    ``gen_mlm_loss``, ``gen_acc``, ``binary_loss``, ``binary_acc``, ``clm_loss``, ``clm_acc``,
+    ``scl_loss``, ``scl_acc``, ``replaced_frac``, ``grad_norm``, ``param_norm``, ``lr``,
+    ``masked_tokens``."""
+    loss_and_grads = make_coco_loss_and_grads(model, sc)
+
+    def train_step(state: TrainState, teacher_params, batch: dict, rng: jax.Array):
+        del teacher_params
+        loss, sums, grads = loss_and_grads(state.params, batch, jax.random.fold_in(rng, state.step))
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = dict(loss=loss, grad_norm=optax.tree.norm(grads), param_norm=optax.tree.norm(params),
+                       lr=jnp.asarray(schedule(state.step), jnp.float32), masked_tokens=sums["n_pred"],
+                       **coco_ratios(sums))
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return train_step
+
+
+def make_coco_eval_step(model: CocoLM, sc: CocoStepConfig) -> Callable:
+    """``eval_step(params, teacher_params, batch, rng) -> sums``, dropout off, for the loop's
+    ``evaluate`` (which sums them over batches; ``coco_ratios`` turns the totals into metrics)."""
+    loss_fn = make_coco_loss_fn(model, sc, deterministic=True)
+
+    def eval_step(params, teacher_params, batch, rng):
+        del teacher_params
+        mb = prepare_batch(model, sc, batch, rng)
+        return loss_fn(params, mb, _counts(mb), rng)[1]
+
+    return eval_step
+
+
+def coco_step_flops(model: CocoLM, sc: CocoStepConfig, *, batch: int, length: int) -> float:
+    """Model FLOPs of one COCO-LM optimizer step (conventions of ``tacl_jax.flops``): generator
+    forward + backward (+ one more forward when sampling in 'eval' mode) with its MLM head on
+    the P slots; the main model forward + backward on the corrupted and the cropped views, with
+    the tied CLM decoder on the slots."""
+    m, g = model.main.config, model.generator.config
+    tokens, slots = batch * length, batch * sc.max_predictions
+    enc_g = flops_lib.encoder_flops_per_token(g.num_hidden_layers, g.hidden_size, g.intermediate_size, length)
+    enc_m = flops_lib.encoder_flops_per_token(m.num_hidden_layers, m.hidden_size, m.intermediate_size, length)
+    gen_fwd = enc_g * tokens + 2 * (g.hidden_size ** 2 + g.hidden_size * g.vocab_size) * slots
+    views = 2 if dict(sc.weights).get("scl", 0.0) else 1
+    main_fwd = views * enc_m * tokens + 2 * m.hidden_size * m.vocab_size * slots + 2 * m.hidden_size * tokens
+    return float(3 * gen_fwd + (gen_fwd if sc.sample_mode == "eval" else 0.0) + 3 * main_fwd)
+
+
+__all__ = ["CocoStepConfig", "coco_step_config_from", "build_coco_model", "create_coco_state", "init_coco_state",
+           "prepare_batch", "make_coco_loss_fn", "make_coco_loss_and_grads", "make_coco_train_step",
+           "make_coco_eval_step", "coco_step_flops"]
