@@ -9,7 +9,7 @@ setup(
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["tacl_jax", "tacl_jax.*"]),
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # what current jax and flax require
     install_requires=[
         "jax>=0.7",
         "flax>=0.11",

@@ -39,9 +39,9 @@ def _show_fill_mask(workdir: str, text: str) -> None:
     import os
 
     from tacl_jax.convert import fill_mask
-    from tacl_jax.train.loop import export_dir
+    from tacl_jax.train.loop import export_dir, local_dir
 
-    path = export_dir(os.path.abspath(workdir), "final")
+    path = export_dir(local_dir(workdir if "://" in workdir else os.path.abspath(workdir)), "final")
     try:
         top = fill_mask(path, text)
     except ImportError:

@@ -1,11 +1,6 @@
-"""Special-token ids: read from the run's tokenizer, or BERT's defaults when there is none."""
+"""Special-token ids of a run: from its tokenizer, or BERT's defaults when there is none."""
 
 from __future__ import annotations
-
-import json
-import os
-
-SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
 
 
 def default_special_ids(vocab_size: int) -> dict[str, int]:
@@ -15,32 +10,18 @@ def default_special_ids(vocab_size: int) -> dict[str, int]:
     return dict(pad=0, unk=1, cls=2, sep=3, mask=4)
 
 
-def special_ids_from_tokenizer(path: str) -> dict[str, int]:
-    """Ids of [PAD] [UNK] [CLS] [SEP] [MASK] in the WordPiece vocabulary of ``path`` (a folder
-    with ``vocab.txt`` or ``tokenizer.json``)."""
-    vocab_txt, tok_json = os.path.join(path, "vocab.txt"), os.path.join(path, "tokenizer.json")
-    if os.path.isfile(vocab_txt):
-        with open(vocab_txt, encoding="utf-8") as f:
-            vocab = {line.rstrip("\n"): i for i, line in enumerate(f)}
-    elif os.path.isfile(tok_json):
-        with open(tok_json, encoding="utf-8") as f:
-            vocab = json.load(f)["model"]["vocab"]
-    else:
-        raise FileNotFoundError(f"no vocab.txt or tokenizer.json in {path}: the run's tokenizer lives "
-                                "beside the init checkpoint (set config.init.tokenizer_path)")
-    missing = [t for t in SPECIAL_TOKENS.values() if t not in vocab]
+def run_special_ids(tokenizer_dir: str | None, vocab_size: int) -> dict[str, int]:
+    """``pad cls sep mask unk`` ids: the tokenizer's (checked against the model's vocabulary),
+    or the defaults for synthetic runs without a tokenizer."""
+    if not tokenizer_dir:
+        return default_special_ids(vocab_size)
+    from tacl_jax.data import tokenization
+
+    tok = tokenization.load_tokenizer(tokenizer_dir)
+    ids = tokenization.tokenizer_special_ids(tok, tokenizer_dir)
+    missing = [k for k, v in ids.items() if v is None]
     if missing:
-        raise ValueError(f"the tokenizer in {path} lacks {missing}: it is not a BERT WordPiece vocabulary")
-    return {k: int(vocab[t]) for k, t in SPECIAL_TOKENS.items()}
-
-
-def vocab_size_of_tokenizer(path: str) -> int | None:
-    vocab_txt = os.path.join(path, "vocab.txt")
-    if os.path.isfile(vocab_txt):
-        with open(vocab_txt, encoding="utf-8") as f:
-            return sum(1 for _ in f)
-    tok_json = os.path.join(path, "tokenizer.json")
-    if os.path.isfile(tok_json):
-        with open(tok_json, encoding="utf-8") as f:
-            return len(json.load(f)["model"]["vocab"])
-    return None
+        raise ValueError(f"the tokenizer in {tokenizer_dir} has no {missing} token(s): it is not a BERT "
+                         "WordPiece tokenizer")
+    tokenization.check_tokenizer(tok, vocab_size=vocab_size, special_ids=ids, tokenizer_dir=tokenizer_dir)
+    return ids

@@ -162,3 +162,17 @@ def test_non_finite_loss_stops_with_a_clear_message(tmp_path):
     config.optim.learning_rate = float("nan")
     with pytest.raises(loop.NonFiniteLossError, match="non-finite loss"):
         loop.train_and_evaluate(config, str(tmp_path))
+
+
+def test_remat_policies_leave_loss_and_grads_unchanged():
+    config = tiny_config(global_batch_size=8)
+    batch = None
+    results = {}
+    for policy in ("none", "full", "save_dots"):
+        config.model.remat_policy = policy
+        s = _setup(config, dict(data=2, fsdp=1, tensor=1), jax.devices()[:2])
+        batch = batch or _batch(config, 1, s["model"], s["special"])
+        results[policy] = _grads(s, batch)
+    for policy in ("full", "save_dots"):
+        np.testing.assert_allclose(results[policy][0], results["none"][0], rtol=1e-6)
+        _assert_trees_close(results[policy][2], results["none"][2], rtol=1e-5, atol=1e-7)

@@ -179,15 +179,40 @@ def initial_params(model: BertModel, mesh, rules, seed: int, max_len: int, shard
 
 # ----------------------------------------------------------------------------- metrics
 
+def local_dir(workdir: str) -> str:
+    """Where files that need a POSIX filesystem (appended JSONL, TensorBoard events, the export
+    staging) go: the workdir itself, or for a remote one (``gs://...``) a local mirror,
+    ``$TACL_LOCAL_DIR`` or ``/tmp/tacl_jax/<bucket path>``. Checkpoints go to the workdir either way."""
+    if "://" not in workdir:
+        return workdir
+    root = os.environ.get("TACL_LOCAL_DIR", os.path.join("/tmp", "tacl_jax"))
+    return os.path.join(root, workdir.split("://", 1)[1].strip("/"))
+
+
+def _copy_tree(src: str, dst: str) -> None:
+    """Local folder -> remote folder (``gs://``) through etils/epath."""
+    from etils import epath
+
+    dst_path = epath.Path(dst)
+    dst_path.mkdir(parents=True, exist_ok=True)
+    for f in os.listdir(src):
+        (dst_path / f).write_bytes(open(os.path.join(src, f), "rb").read())
+
+
 class MetricWriter:
-    """Console line, ``metrics.jsonl`` and TensorBoard events in the workdir, from process 0 only."""
+    """Console line, ``metrics.jsonl`` and TensorBoard events in the workdir (its local mirror
+    when the workdir is remote), from process 0 only."""
 
     def __init__(self, workdir: str):
         self.enabled = jax.process_index() == 0
-        self.path = os.path.join(workdir, "metrics.jsonl")
+        target = local_dir(workdir)
+        self.path = os.path.join(target, "metrics.jsonl")
         self.tb = None
         if self.enabled:
-            os.makedirs(workdir, exist_ok=True)
+            if target != workdir:
+                log.info("remote workdir %s: metrics.jsonl and TensorBoard events go to %s", workdir, target)
+            os.makedirs(target, exist_ok=True)
+            workdir = target
             try:
                 from tensorboardX import SummaryWriter
                 self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
@@ -297,8 +322,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     model, hf_params = coco_step.build_coco_model(config) if coco else build_model(config)
     check_model(config, model)
     tok_dir = config.init.tokenizer_path or config.init.hf_path
-    special = (tokens.special_ids_from_tokenizer(tok_dir) if tok_dir
-               else tokens.default_special_ids(model.config.vocab_size))
+    special = tokens.run_special_ids(tok_dir, model.config.vocab_size)
     step_cfg = coco_step.coco_step_config_from(config, special, mesh) if coco else step_config_from(config, special)
     tx, schedule = make_optimizer(config.optim, config.num_train_steps)
     abstract_state, state_sh = state_shardings(model, tx, mesh, rules, config.max_len)
@@ -443,7 +467,10 @@ def export_dir(workdir: str, name: str) -> str:
 
 def _export(model, params, workdir: str, name: str, tok_dir: str | None) -> None:
     out = export_dir(workdir, name)
-    hf.save(model, params, out, head="mlm", tokenizer_from=tok_dir or None)
+    staging = export_dir(local_dir(workdir), name)
+    hf.save(model, params, staging, head="mlm", tokenizer_from=tok_dir or None)
+    if staging != out and jax.process_index() == 0:
+        _copy_tree(staging, out)
     log.info("exported the student as a Hugging Face BertForMaskedLM folder: %s", out)
 
 
