@@ -72,31 +72,6 @@ def export_checkpoint(workdir: str, out: str, step: int | None = None, head: str
     return out
 
 
-def fill_mask(export_dir: str, text: str, top_k: int = 5) -> list[tuple[str, float]]:
-    """Run ``text`` (with one [MASK]) through an export with ``transformers`` (needs torch):
-    the top-k tokens and their probabilities."""
-    import torch
-    import transformers
-
-    tok = transformers.AutoTokenizer.from_pretrained(export_dir)
-    model = transformers.AutoModelForMaskedLM.from_pretrained(export_dir).eval()
-    enc = tok(text, return_tensors="pt")
-    where = (enc["input_ids"][0] == tok.mask_token_id).nonzero()
-    if len(where) != 1:
-        raise ValueError(f"the fill-mask text needs exactly one {tok.mask_token}: {text!r}")
-    with torch.no_grad():
-        probs = model(**enc).logits[0, where[0, 0]].softmax(-1)
-    top = probs.topk(top_k)
-    return [(tok.convert_ids_to_tokens(int(i)), float(p)) for p, i in zip(top.values, top.indices)]
-
-
-FLAGS = flags.FLAGS
-flags.DEFINE_string("workdir", None, "The run's workdir (local or gs://).")
-flags.DEFINE_string("out", None, "Output folder.")
-flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
-flags.DEFINE_enum("head", "mlm", ["mlm", "none"], "mlm: BertForMaskedLM; none: BertModel.")
-
-
 def main(argv):
     if len(argv) != 2 or argv[1] != "to_hf":
         raise app.UsageError("usage: python -m tacl_jax.convert to_hf --workdir=DIR --out=DIR [--step=N] [--head=mlm|none]")
@@ -107,5 +82,17 @@ def main(argv):
     export_checkpoint(FLAGS.workdir, FLAGS.out, FLAGS.step, FLAGS.head)
 
 
+def _define_flags() -> None:
+    """Flags only for the command line, so that importing this module (e.g. next to
+    ``tacl_jax.main``, which also has ``--workdir``) never defines them twice."""
+    flags.DEFINE_string("workdir", None, "The run's workdir (local or gs://).")
+    flags.DEFINE_string("out", None, "Output folder.")
+    flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+    flags.DEFINE_enum("head", "mlm", ["mlm", "none"], "mlm: BertForMaskedLM; none: BertModel.")
+
+
+FLAGS = flags.FLAGS
+
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)

@@ -316,3 +316,23 @@ def save(model: BertModel, params: Mapping, out_dir: str, head: str = "mlm",
         for n in copied:
             shutil.copyfile(os.path.join(tokenizer_from, n), os.path.join(out_dir, n))
     return out_dir
+
+
+# ----------------------------------------------------------------------------- checking
+
+def fill_mask(export_dir: str, text: str, top_k: int = 5) -> list[tuple[str, float]]:
+    """Run ``text`` (with one [MASK]) through an export with ``transformers`` (needs torch):
+    the top-k tokens and their probabilities."""
+    import torch
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(export_dir)
+    model = transformers.AutoModelForMaskedLM.from_pretrained(export_dir).eval()
+    enc = tok(text, return_tensors="pt")
+    where = (enc["input_ids"][0] == tok.mask_token_id).nonzero()
+    if len(where) != 1:
+        raise ValueError(f"the fill-mask text needs exactly one {tok.mask_token}: {text!r}")
+    with torch.no_grad():
+        probs = model(**enc).logits[0, where[0, 0]].softmax(-1)
+    top = probs.topk(top_k)
+    return [(tok.convert_ids_to_tokens(int(i)), float(p)) for p, i in zip(top.values, top.indices)]

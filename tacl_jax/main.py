@@ -38,7 +38,7 @@ def _show_fill_mask(workdir: str, text: str) -> None:
     """Load the final export with ``transformers`` and print a fill-mask example."""
     import os
 
-    from tacl_jax.convert import fill_mask
+    from tacl_jax.hf import fill_mask
     from tacl_jax.train.loop import export_dir, local_dir
 
     path = export_dir(local_dir(workdir if "://" in workdir else os.path.abspath(workdir)), "final")

@@ -447,7 +447,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                     break
             if pending is not None:
                 last = _report(pending, writer, config, timer, flops, peak, force=True) or last
-            if status == "finished" and config.eval_at_end and eval_batches:
+            evaluated_last = config.eval_every > 0 and step + 1 == config.num_train_steps and \
+                config.num_train_steps % config.eval_every == 0
+            if status == "finished" and config.eval_at_end and eval_batches and not evaluated_last:
                 writer.write(config.num_train_steps, evaluate(p_eval, state.params, teacher, eval_batches, mesh,
                                                               config.seed + 1, eval_ratios), config.num_train_steps, prefix="eval_")
             if status == "finished" and config.export_at_end:
