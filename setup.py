@@ -26,6 +26,7 @@ setup(
         "array-record>=0.5",
         "tqdm",
         "tensorboardX",
+        "matplotlib",  # the analysis plots (tacl_jax.analyze)
     ],
     extras_require={
         # torch only to check that transformers loads our exports; 2.13.0 is the CPU build that

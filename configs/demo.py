@@ -28,5 +28,7 @@ def get_config():
     c.eval_every = 50
     c.eval_batches = 4
     c.checkpoint.every = 50
+    # fp32: on CPUs without fast bf16 (AVX2-only hosts) bf16 matmuls are slower than f32.
+    c.model.dtype = "float32"
     c.demo_fill_mask = "The Python interpreter reads the [MASK] and executes it."
     return c

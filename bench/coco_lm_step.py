@@ -1,0 +1,154 @@
+"""COCO-LM train-step throughput and MFU; prints one JSON object (the COCO-LM row).
+
+    python bench/coco_lm_step.py                              # small, bf16
+    python bench/coco_lm_step.py --size=small --precision=fp32 --steps=10 --warmup=2
+
+The step is ``tacl_jax.train.coco_step.make_coco_train_step`` built as the training loop builds it
+(``init_coco_state`` on a 1-device mesh, AdamW + clip, jitted with shardings, the state donated),
+on BERT's synthetic batches (``[CLS] A [SEP] B [SEP]``, 10% short rows, bert-base-uncased ids).
+Sizes as ``bench/step_throughput.py`` (``small`` = 4 layers, hidden 256, 4 heads, ffn 1024,
+L = 128, batch 16); generator ``--generator_layers`` (default 2: the released COCO-LM small's).
+``tokens_per_s = batch · seq · timed_steps / Σ step time`` (padding included).
+
+MFU. Model FLOPs of a step = ``tacl_jax.train.coco_step.coco_step_flops``: the generator's forward
+and backward (3×) plus its no-dropout sampling forward, each with the MLM head on the P gathered
+slots; the main model's forward and backward on the corrupted *and* the cropped views (2 × L
+tokens per sequence), with the tied CLM decoder on the P slots. The peak is measured in the same
+run (a jitted 2048³ dot, f32 and bf16-in/f32-accumulate, best of 5), and the table's vendor peak
+(``tacl_jax.flops.PEAK_FLOPS``) is used too when the device is in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from step_throughput import PRECISIONS, SIZES, VOCAB  # noqa: E402  pylint: disable=wrong-import-position
+
+
+def coco_lm_row(size: str = "small", precision: str = "bf16", steps: int = 10, warmup: int = 2,
+                generator_layers: int = 2) -> dict:
+    """Build, compile and time the COCO-LM step; the row as a dict."""
+    import flax.linen as nn
+    import jax
+
+    from tacl_jax import config as config_lib
+    from tacl_jax import flops as flops_lib
+    from tacl_jax import parallel, tokens
+    from tacl_jax.data import synthetic
+    from tacl_jax.objectives.coco_lm import coco_lm_config
+    from tacl_jax.train import coco_step
+    from tacl_jax.train.optimizer import make_optimizer
+
+    sz = SIZES[size]
+    c = config_lib.default_config()
+    c.objective = "coco_lm"
+    c.coco_lm = coco_lm_config()
+    c.coco_lm.generator_layers = generator_layers
+    c.init.scratch.update(vocab_size=VOCAB, hidden_size=sz["hidden"], num_hidden_layers=sz["layers"],
+                          num_attention_heads=sz["heads"], intermediate_size=sz["intermediate"],
+                          max_position_embeddings=512)
+    c.masking.replace_prob, c.masking.random_prob = 1.0, 0.0
+    c.max_len, c.global_batch_size = sz["seq"], sz["batch"]
+    c.num_train_steps = warmup + steps
+    c.model.dtype = PRECISIONS[precision]
+    c.optim.update(learning_rate=5e-4, warmup_steps=1, b2=0.98, eps=1e-6, weight_decay=0.01, clip_norm=2.0)
+
+    t0 = time.perf_counter()
+    mesh = parallel.make_mesh(dict(data=1, fsdp=1, tensor=1), jax.devices()[:1])
+    rules = parallel.LOGICAL_AXIS_RULES
+    tx, schedule = make_optimizer(c.optim, c.num_train_steps)
+    state, state_sh, model = coco_step.init_coco_state(c, mesh, rules, tx=tx)
+    special = tokens.default_special_ids(VOCAB)
+    sc = coco_step.coco_step_config_from(c, special, mesh)
+    train_step = coco_step.make_coco_train_step(model, sc, tx, schedule)
+    repl = parallel.replicated(mesh)
+    p_step = jax.jit(train_step, in_shardings=(state_sh, None, None, repl), out_shardings=(state_sh, repl),
+                     donate_argnums=(0,))
+    batches = [parallel.global_batch(synthetic.global_batch(
+        c.seed, s, c.global_batch_size, max_len=c.max_len, vocab_size=VOCAB, first_regular_id=999,
+        cls_id=special["cls"], sep_id=special["sep"], pad_id=special["pad"], short_seq_prob=0.1), mesh)
+        for s in range(c.num_train_steps)]
+    rng = jax.random.key(c.seed)
+    build_s = time.perf_counter() - t0
+
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        t0 = time.perf_counter()
+        compiled = p_step.lower(state, None, batches[0], rng).compile()
+        compile_s = time.perf_counter() - t0
+        times, hist = [], []
+        for i, batch in enumerate(batches):
+            t0 = time.perf_counter()
+            state, metrics = compiled(state, None, batch, rng)
+            jax.block_until_ready((state, metrics))
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+            hist.append({k: float(v) for k, v in jax.device_get(metrics).items()})
+
+    tok = sz["batch"] * sz["seq"]
+    tps = tok * len(times) / sum(times)
+    step_flops = coco_step.coco_step_flops(model, sc, batch=sz["batch"], length=sz["seq"])
+    achieved = step_flops / statistics.median(times)
+    peaks = _matmul_peaks()
+    row = dict(bench="coco_lm_step", impl="tacl_jax", size=size, precision=precision,
+               generator_layers=generator_layers, device=jax.devices()[0].device_kind,
+               tokens_per_s=tps, step_ms_median=1000 * statistics.median(times),
+               step_ms_all=[round(1000 * t, 1) for t in times], compile_s=compile_s, build_s=build_s,
+               model_flops_per_step=step_flops, model_flops_per_token=step_flops / tok,
+               model_gflops=achieved / 1e9, matmul_f32_gflops=peaks["f32"] / 1e9,
+               matmul_bf16_gflops=peaks["bf16"] / 1e9, mfu_of_f32_peak=achieved / peaks["f32"],
+               mfu_of_bf16_peak=achieved / peaks["bf16"])
+    table = flops_lib.peak_flops_per_device()
+    if table:
+        row["mfu"] = achieved / table
+    for k in ("loss", "gen_mlm_loss", "binary_loss", "binary_acc", "clm_loss", "scl_loss", "replaced_frac"):
+        row[f"{k}_first"], row[f"{k}_last"] = hist[0][k], hist[-1][k]
+    row["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return row
+
+
+def _matmul_peaks(n: int = 2048, reps: int = 5) -> dict[str, float]:
+    """Best-of-``reps`` FLOP/s of a jitted n³ dot, f32 and bf16 inputs with f32 accumulation."""
+    import jax
+    import jax.numpy as jnp
+
+    out = {}
+    for name, dt in (("f32", jnp.float32), ("bf16", jnp.bfloat16)):
+        a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dt)
+        b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dt)
+        f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+        f(a, b).block_until_ready()
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            f(a, b).block_until_ready()
+            best = min(best, time.perf_counter() - t0)
+        out[name] = 2.0 * n ** 3 / best
+    return out
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="small", choices=sorted(SIZES))
+    p.add_argument("--precision", default="bf16", choices=sorted(PRECISIONS))
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--generator_layers", type=int, default=2)
+    args = p.parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    row = coco_lm_row(args.size, args.precision, args.steps, args.warmup, args.generator_layers)
+    print(json.dumps(row))
+    return row
+
+
+if __name__ == "__main__":
+    main()

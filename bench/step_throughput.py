@@ -1,0 +1,577 @@
+"""Train-step throughput of tacl_jax against the PyTorch peer, in one run; prints one JSON object.
+
+    python bench/step_throughput.py                       # small + base, fp32 + bf16, 2 rounds
+    python bench/step_throughput.py --sizes=small --rounds=1 --steps=6
+    python bench/step_throughput.py --ablate --sizes=small   # what each lever contributes
+    python bench/step_throughput.py --breakdown --sizes=base --precisions=bf16   # where time goes
+
+What is compared. Our step is ``tacl_jax.train.step.make_train_step`` built as the training loop
+builds it (``init.from_scratch=True``, ``objective='tacl'``, NSP off, frozen head-less teacher in
+fresh buffers, AdamW + clip 1.0, jitted with shardings on a 1-device mesh, the state donated); the
+masking runs inside our step. The peer is ``../shared/bench/torch_tacl.py --head mlm`` (the
+original's arithmetic: full-vocabulary MLM logits at every position, teacher with dropout on,
+fp32 eager PyTorch, 2 threads, masking done on the host outside its timing). Both use BERT's
+synthetic batches (``[CLS] A [SEP] B [SEP]``, 10% short rows, bert-base-uncased ids), the same
+sizes, and count ``tokens/s = batch · seq · timed_steps / Σ step time`` (padding included), each
+step timed to completion (ours: ``block_until_ready``; the peer: ``loss.item()``).
+
+Every measurement runs in its own subprocess, so peak memory is fair: each reports its own
+``getrusage(RUSAGE_SELF).ru_maxrss`` (the peer does the same), i.e. the most the process ever held,
+imports and compilation included. Per round the order
+is alternated (peer first, then ours; next round ours first), and every ratio is ours / peer of
+the *same round*; the JSON gives the median over rounds. Matmul peaks are measured in the same
+run, in a subprocess per round: a jitted 2048³ ``jnp.dot`` in f32, and with bf16 inputs and f32
+accumulation (``preferred_element_type=float32``); the best of the run is the peak.
+
+Sizes: ``small`` = 4 layers, hidden 256, 4 heads, ffn 1024, L = 128, batch 16;
+``base`` = bert-base (12, 768, 12, 3072), L = 128, batch 8. Vocabulary 30522 (bert-base-uncased).
+Precisions: ``fp32`` (``model.dtype=float32``) and ``bf16`` (the default, ``bfloat16`` compute,
+f32 params and accumulation); the peer is always fp32.
+
+MFU. Model FLOPs per token (a matmul [m, k]·[k, n] is 2·m·k·n FLOPs; per token, per layer, with
+N layers, hidden d, ffn I, length L, vocabulary V, P MLM slots per sequence):
+
+* encoder layer, forward: Q, K, V and output projections 4·(2·d·d) = 8d²; FFN 2·(2·d·I) = 4dI;
+  attention scores Q·Kᵀ and probs·V over all L keys (bidirectional, nothing halved)
+  2·(2·L·d) = 4Ld  ->  ``F_layer = 8d² + 4dI + 4Ld``;
+* gathered MLM head, forward, per token: the P slots of a sequence shared by its L tokens,
+  transform 2d² plus tied decoder 2dV per slot  ->  ``F_head = (P/L)·(2d² + 2dV)``;
+* TaCL scores sᵢⱼ = <hsᵢ, htⱼ> over L keys: forward 2Ld, backward (student side only) 2Ld
+  ->  ``F_tacl = 4Ld``;
+* training = forward + backward (2× forward) for the student, forward only for the frozen teacher:
+
+      FLOPs/token = 3·(N·F_layer + F_head) + N·F_layer + F_tacl
+
+  (embeddings, LayerNorm, softmax, GELU, dropout and the optimizer are not counted, as usual.)
+  ``MFU = tokens/s · FLOPs/token / peak``, per device (one CPU here). The same useful FLOPs are
+  used for the peer (which in fact computes the vocabulary projection at all L positions, so its
+  hardware FLOPs are higher): ``mfu`` ratios equal ``tokens/s`` ratios. ``P = round(0.15·L)``
+  (19 at L = 128), what both implementations predict at most per sequence.
+
+Targets (issue 5, 2-core CPU): fp32 ratio >= 2.5 (small) / 2.2 (base); bf16 ratio >= 3.5 / 3.0;
+MFU at base >= 75% of the f32 peak in fp32 and >= 45% of the bf16 peak in bf16; peak RSS no
+higher than the peer's. The JSON's ``targets`` says which are met.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PEER = os.path.normpath(os.path.join(REPO, "..", "shared", "bench", "torch_tacl.py"))
+
+SIZES = {
+    "small": dict(layers=4, hidden=256, heads=4, intermediate=1024, seq=128, batch=16),
+    "base": dict(layers=12, hidden=768, heads=12, intermediate=3072, seq=128, batch=8),
+}
+VOCAB = 30522
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16"}
+TARGETS = {"small_fp32_ratio": 2.5, "base_fp32_ratio": 2.2, "small_bf16_ratio": 3.5, "base_bf16_ratio": 3.0,
+           "base_fp32_mfu_of_f32_peak": 0.75, "base_bf16_mfu_of_bf16_peak": 0.45}
+# Ablations (--ablate): one lever at a time, relative to the default step of that precision.
+ABLATIONS = {
+    "default": {},
+    "full_vocab_head": {"full_vocab_head": True},      # MLM logits at every position, then gathered
+    "plain_autodiff": {"plain_autodiff": True},        # no bf16-cotangent custom_vjp (bf16 only)
+    "teacher_bf16_params": {"teacher_dtype": "bfloat16"},
+    "prng_rbg": {"prng": "rbg"},
+    "prng_unsafe_rbg": {"prng": "unsafe_rbg"},
+    "no_dropout": {"no_dropout": True},
+}
+
+
+# ----------------------------------------------------------------------------- FLOPs
+
+def num_predictions(seq: int, mask_prob: float = 0.15) -> int:
+    return max(1, int(round(mask_prob * seq)))
+
+
+def model_flops_per_token(layers: int, hidden: int, intermediate: int, seq: int, vocab: int = VOCAB,
+                          predictions: int | None = None) -> dict:
+    """The formula of the module doc, with its parts."""
+    d, i, n, length = hidden, intermediate, layers, seq
+    p = num_predictions(seq) if predictions is None else predictions
+    layer = 8 * d * d + 4 * d * i + 4 * length * d
+    head = p / length * (2 * d * d + 2 * d * vocab)
+    tacl = 4 * length * d
+    student_fwd = n * layer + head
+    total = 3 * student_fwd + n * layer + tacl
+    return dict(total=total, student_forward=student_fwd, teacher_forward=n * layer, layer_forward=layer,
+                mlm_head_forward=head, tacl=tacl, predictions_per_sequence=p)
+
+
+# ----------------------------------------------------------------------------- workers (subprocesses)
+
+def _worker_env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    # One CPU device (a test runner may have forced 8 fake ones).
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "force_host_platform_device_count" not in f]
+    env["XLA_FLAGS"] = " ".join(flags)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def worker_matmul(args) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    n, reps = args.matmul_n, args.matmul_reps
+    out = {}
+    for name, dt in (("f32", jnp.float32), ("bf16", jnp.bfloat16)):
+        a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dt)
+        b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dt)
+        f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+        f(a, b).block_until_ready()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            f(a, b).block_until_ready()
+            times.append(time.perf_counter() - t0)
+        flops = 2.0 * n ** 3
+        out[f"{name}_gflops_best"] = flops / min(times) / 1e9
+        out[f"{name}_gflops_median"] = flops / float(np.median(times)) / 1e9
+    return out
+
+
+def _build_ours(args):
+    """Config, model, state, teacher and the jitted step, as ``tests/test_train.py::_setup`` and
+    the training loop build them."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    if args.prng != "threefry":
+        jax.config.update("jax_default_prng_impl", args.prng)
+    from tacl_jax import config as config_lib
+    from tacl_jax import parallel, tokens
+    from tacl_jax.data import synthetic
+    from tacl_jax.train import loop
+    from tacl_jax.train.optimizer import make_optimizer
+    from tacl_jax.train.step import make_train_step, step_config_from
+
+    if args.plain_autodiff:
+        from tacl_jax.models import layers
+
+        def plain(dtype_name):
+            dt = jnp.dtype(dtype_name)
+            return lambda x, w: jnp.dot(x.astype(dt), w.astype(dt), preferred_element_type=jnp.float32)
+        layers._matmul_for = plain  # ablation only: plain autodiff through the matmul
+
+    sz = SIZES[args.size]
+    c = config_lib.default_config()
+    c.objective = "tacl"
+    c.nsp = False
+    c.init.from_scratch = True
+    c.init.scratch.update(vocab_size=VOCAB, hidden_size=sz["hidden"], num_hidden_layers=sz["layers"],
+                          num_attention_heads=sz["heads"], intermediate_size=sz["intermediate"],
+                          max_position_embeddings=512)
+    c.max_len = sz["seq"]
+    c.global_batch_size = sz["batch"]
+    c.num_train_steps = args.warmup + args.steps
+    c.model.dtype = PRECISIONS[args.precision]
+    c.tacl.teacher_param_dtype = args.teacher_dtype
+    if args.no_dropout:
+        c.model.hidden_dropout_prob = 0.0
+        c.model.attention_probs_dropout_prob = 0.0
+    config_lib.validate(c)
+
+    mesh = parallel.make_mesh(dict(data=1, fsdp=1, tensor=1), jax.devices()[:1])
+    rules = parallel.LOGICAL_AXIS_RULES
+    model, _ = loop.build_model(c)
+    if args.full_vocab_head:
+        model = _full_head_model(model)
+    tx, schedule = make_optimizer(c.optim, c.num_train_steps)
+    state, state_sh = loop.create_state(model, tx, mesh, rules, c.seed, c.max_len)
+    special = tokens.default_special_ids(VOCAB)
+    step_cfg = step_config_from(c, special)
+    teacher, teacher_sh = loop.create_teacher(state.params, state_sh.params, c.tacl.teacher_param_dtype)
+    train_step = make_train_step(model, step_cfg, tx, schedule, teacher_model=loop.teacher_of(model))
+
+    def batch(step):
+        return synthetic.global_batch(c.seed, step, c.global_batch_size, max_len=c.max_len, vocab_size=VOCAB,
+                                      first_regular_id=999, cls_id=special["cls"], sep_id=special["sep"],
+                                      pad_id=special["pad"], short_seq_prob=0.1)
+
+    repl = parallel.replicated(mesh)
+    # As the training loop jits it: shardings given, batch sharding inferred, the state donated.
+    p_step = jax.jit(train_step, in_shardings=(state_sh, teacher_sh, None, repl),
+                     out_shardings=(state_sh, repl), donate_argnums=(0,))
+    batches = [parallel.global_batch(batch(s), mesh) for s in range(c.num_train_steps)]
+    ctx = (jax.set_mesh(mesh), nn.logical_axis_rules(rules))
+    return dict(config=c, model=model, state=state, teacher=teacher, p_step=p_step, batches=batches, ctx=ctx,
+                step_cfg=step_cfg, rng=jax.random.key(c.seed), mesh=mesh, rules=rules)
+
+
+def _full_head_model(model):
+    """Ablation: the vocabulary projection at every position, gathered afterwards (the peer's
+    arithmetic); same parameters and outputs as the gathered head."""
+    import jax.numpy as jnp
+
+    from tacl_jax.models import BertModel
+
+    class FullHeadBert(BertModel):
+        def mlm_logits(self, hidden, positions=None):
+            logits = super().mlm_logits(hidden, None)
+            if positions is None:
+                return logits
+            return jnp.take_along_axis(logits, positions[..., None].astype(jnp.int32), axis=1)
+
+    return FullHeadBert(model.config)
+
+
+def worker_ours(args) -> dict:
+    import jax
+
+    t0 = time.perf_counter()
+    b = _build_ours(args)
+    build_s = time.perf_counter() - t0
+    with b["ctx"][0], b["ctx"][1]:
+        t0 = time.perf_counter()
+        compiled = b["p_step"].lower(b["state"], b["teacher"], b["batches"][0], b["rng"]).compile()
+        compile_s = time.perf_counter() - t0
+        state, times, losses = b["state"], [], []
+        for i, batch in enumerate(b["batches"]):
+            t0 = time.perf_counter()
+            state, metrics = compiled(state, b["teacher"], batch, b["rng"])
+            jax.block_until_ready((state, metrics))
+            dt = time.perf_counter() - t0
+            losses.append(float(metrics["loss"]))
+            if i >= args.warmup:
+                times.append(dt)
+        if args.profile_dir:
+            jax.profiler.start_trace(args.profile_dir)
+            for batch in b["batches"][:3]:
+                state, metrics = compiled(state, b["teacher"], batch, b["rng"])
+            jax.block_until_ready((state, metrics))
+            jax.profiler.stop_trace()
+    sz = SIZES[args.size]
+    tok = sz["batch"] * sz["seq"]
+    return dict(impl="tacl_jax", tokens_per_s=tok * len(times) / sum(times),
+                step_ms_median=1000 * statistics.median(times), step_ms_all=[round(1000 * t, 1) for t in times],
+                compile_s=compile_s, build_s=build_s, loss_first=losses[0], loss_last=losses[-1],
+                max_predictions=b["step_cfg"].max_predictions)
+
+
+def worker_breakdown(args) -> dict:
+    """Where the time of one step goes: each part jitted and timed on its own (median of
+    ``--steps`` runs): the teacher forward, the student forward + loss, the loss and its
+    gradients (both forwards, the backward), and the whole step (+ clip, AdamW)."""
+    import jax
+    import jax.numpy as jnp
+
+    from tacl_jax.objectives import mask_tokens, objective_sums
+    from tacl_jax.train.loop import teacher_of
+    from tacl_jax.train.step import make_loss_and_grads
+
+    b = _build_ours(args)
+    model, sc, teacher_model = b["model"], b["step_cfg"], teacher_of(b["model"])
+    params, teacher, batch, rng = b["state"].params, b["teacher"], b["batches"][0], b["rng"]
+    vocab = model.config.vocab_size
+
+    def masked(batch, r):
+        return mask_tokens(r, batch["input_ids"], batch["attention_mask"], max_predictions=sc.max_predictions,
+                           mask_id=sc.mask_id, vocab_size=vocab, special_ids=sc.special_ids)
+
+    def teacher_fwd(tp, batch):
+        return teacher_model.apply({"params": tp}, batch["input_ids"], batch["attention_mask"],
+                                   batch["token_type_ids"], deterministic=True, heads=False).last_hidden_state
+
+    def student_loss(p, tp, batch, r):
+        m = masked(batch, r)
+        th = teacher_fwd(tp, batch)
+        out = model.apply({"params": p}, m.input_ids, batch["attention_mask"], batch["token_type_ids"],
+                          deterministic=False, mlm_positions=m.positions, rngs={"dropout": r})
+        s = objective_sums(mlm_logits=out.mlm_logits, masked=m, student_hidden=out.last_hidden_state,
+                           teacher_hidden=th, key_mask=batch["attention_mask"], temperature=sc.temperature)
+        return s["mlm_nll"] / s["n_pred"] + s["tacl_nll"] / s["n_anchor"]
+
+    def student_fwd_only(p, batch, r):
+        m = masked(batch, r)
+        out = model.apply({"params": p}, m.input_ids, batch["attention_mask"], batch["token_type_ids"],
+                          deterministic=False, mlm_positions=m.positions, rngs={"dropout": r})
+        return out.mlm_logits.sum() + out.last_hidden_state.astype(jnp.float32).sum()
+
+    lag = make_loss_and_grads(model, sc, teacher_model)
+    parts = {
+        "masking": (jax.jit(lambda batch, r: masked(batch, r).input_ids), (batch, rng)),
+        "teacher_forward": (jax.jit(teacher_fwd), (teacher, batch)),
+        "student_forward": (jax.jit(student_fwd_only), (params, batch, rng)),
+        "forward_and_loss": (jax.jit(student_loss), (params, teacher, batch, rng)),
+        "loss_and_grads": (jax.jit(lambda p, tp, bb, r: lag(p, tp, bb, r)[2]), (params, teacher, batch, rng)),
+    }
+    out = {}
+    with b["ctx"][0], b["ctx"][1]:
+        for name, (fn, fargs) in parts.items():
+            c = fn.lower(*fargs).compile()
+            jax.block_until_ready(c(*fargs))
+            ts = []
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                jax.block_until_ready(c(*fargs))
+                ts.append(time.perf_counter() - t0)
+            out[f"{name}_ms"] = 1000 * statistics.median(ts)
+        compiled = b["p_step"].lower(b["state"], teacher, batch, rng).compile()
+        state, ts = b["state"], []
+        for i in range(args.steps + 1):
+            t0 = time.perf_counter()
+            state, m = compiled(state, teacher, batch, rng)
+            jax.block_until_ready((state, m))
+            if i:
+                ts.append(time.perf_counter() - t0)
+        out["train_step_ms"] = 1000 * statistics.median(ts)
+    out["backward_ms (loss_and_grads - forward_and_loss)"] = out["loss_and_grads_ms"] - out["forward_and_loss_ms"]
+    out["optimizer_ms (train_step - loss_and_grads)"] = out["train_step_ms"] - out["loss_and_grads_ms"]
+    return out
+
+
+# ----------------------------------------------------------------------------- orchestration
+
+def _run(cmd: list[str], timeout: float, env=None) -> dict:
+    """Runs a measurement subprocess; its last stdout line is JSON (with its own ``peak_rss_mb``)."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or _worker_env())
+    try:
+        stdout, stderr = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        stdout, stderr = p.communicate()
+        return dict(error=f"timeout after {timeout}s", cmd=" ".join(cmd))
+    wall = time.perf_counter() - t0
+    lines = [line for line in stdout.strip().splitlines() if line.startswith("{")]
+    if p.returncode != 0 or not lines:
+        return dict(error=f"exit {p.returncode}: {stderr.strip()[-1500:]}", cmd=" ".join(cmd))
+    res = json.loads(lines[-1])
+    res["wall_s"] = wall
+    return res
+
+
+def _ours_cmd(size, precision, args, **variant) -> list[str]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker=ours", f"--size={size}", f"--precision={precision}",
+           f"--steps={args.steps}", f"--warmup={args.warmup}"]
+    for k, v in variant.items():
+        if v is True:
+            cmd.append(f"--{k}")
+        elif v not in (None, False):
+            cmd.append(f"--{k}={v}")
+    return cmd
+
+
+def _peer_cmd(size, args) -> list[str]:
+    s = SIZES[size]
+    return [args.peer_python, PEER, "--layers", str(s["layers"]), "--hidden", str(s["hidden"]), "--heads",
+            str(s["heads"]), "--intermediate", str(s["intermediate"]), "--vocab", str(VOCAB), "--seq",
+            str(s["seq"]), "--batch", str(s["batch"]), "--steps", str(args.steps), "--warmup-steps",
+            str(args.warmup), "--threads", str(args.threads), "--head", "mlm"]
+
+
+def _peer_env(args) -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+    return env
+
+
+def cpu_info() -> dict:
+    """The CPU's vector extensions: bf16 matmuls are fast only with AVX512_BF16 / AMX."""
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    return {k: k in flags for k in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")}
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def main_compare(args) -> dict:
+    sizes, precisions = args.sizes.split(","), args.precisions.split(",")
+    rounds, peaks = [], []
+    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
+    for r in range(args.rounds):
+        rec = {"matmul": _run([sys.executable, os.path.abspath(__file__), "--worker=matmul"], 600)}
+        peaks.append(rec["matmul"])
+        log(f"round {r}: matmul {rec['matmul']}")
+        for size in sizes:
+            jobs = [("peer", None)] + [("ours", p) for p in precisions]
+            if r % 2:
+                jobs.reverse()
+            for kind, prec in jobs:
+                if kind == "peer":
+                    res = _run(_peer_cmd(size, args), args.timeout, env=_peer_env(args))
+                    rec[f"{size}_peer"] = res
+                else:
+                    res = _run(_ours_cmd(size, prec, args), args.timeout)
+                    rec[f"{size}_{prec}"] = res
+                log(f"round {r}: {size} {kind} {prec or ''}: "
+                    f"{res.get('tokens_per_s', res.get('error'))} tok/s, rss {res.get('peak_rss_mb')} MB")
+        rounds.append(rec)
+
+    f32_peak = max(p.get("f32_gflops_best", 0) for p in peaks) * 1e9
+    bf16_peak = max(p.get("bf16_gflops_best", 0) for p in peaks) * 1e9
+    out = {"matmul_f32_gflops_peak": f32_peak / 1e9, "matmul_bf16_gflops_peak": bf16_peak / 1e9,
+           "matmul_f32_gflops_median": _median([p.get("f32_gflops_median") for p in peaks]),
+           "matmul_bf16_gflops_median": _median([p.get("bf16_gflops_median") for p in peaks])}
+    for size in sizes:
+        s = SIZES[size]
+        fl = model_flops_per_token(s["layers"], s["hidden"], s["intermediate"], s["seq"])
+        out[f"{size}_model_flops_per_token"] = fl["total"]
+        peer = [rec[f"{size}_peer"] for rec in rounds]
+        peer_tps = _median([p.get("tokens_per_s") for p in peer])
+        out[f"{size}_peer_tokens_per_s"] = peer_tps
+        out[f"{size}_peer_step_ms"] = _median([p.get("step_ms_median") for p in peer])
+        out[f"{size}_peer_peak_rss_mb"] = _median([p.get("peak_rss_mb") for p in peer])
+        if peer_tps:
+            out[f"{size}_peer_mfu_of_f32_peak"] = peer_tps * fl["total"] / f32_peak
+        for prec in precisions:
+            ours = [rec[f"{size}_{prec}"] for rec in rounds]
+            tps = _median([o.get("tokens_per_s") for o in ours])
+            key = f"{size}_{prec}"
+            out[f"{key}_tokens_per_s"] = tps
+            out[f"{key}_step_ms"] = _median([o.get("step_ms_median") for o in ours])
+            out[f"{key}_peak_rss_mb"] = _median([o.get("peak_rss_mb") for o in ours])
+            out[f"{key}_compile_s"] = _median([o.get("compile_s") for o in ours])
+            per_round = [o["tokens_per_s"] / p["tokens_per_s"] for o, p in zip(ours, peer)
+                         if o.get("tokens_per_s") and p.get("tokens_per_s")]
+            out[f"{key}_ratio"] = _median(per_round)
+            out[f"{key}_ratio_per_round"] = per_round
+            if tps:
+                achieved = tps * fl["total"]
+                out[f"{key}_model_gflops"] = achieved / 1e9
+                out[f"{key}_mfu_of_f32_peak"] = achieved / f32_peak
+                if prec == "bf16":
+                    out[f"{key}_mfu_of_bf16_peak"] = achieved / bf16_peak
+            if out[f"{key}_peak_rss_mb"] and out[f"{size}_peer_peak_rss_mb"]:
+                out[f"{key}_rss_vs_peer"] = out[f"{key}_peak_rss_mb"] / out[f"{size}_peer_peak_rss_mb"]
+    targets = {}
+    for k, goal in TARGETS.items():
+        if out.get(k) is not None:
+            targets[k] = dict(value=round(out[k], 3), goal=goal, met=out[k] >= goal)
+    for size in sizes:
+        for prec in precisions:
+            k = f"{size}_{prec}_rss_vs_peer"
+            if out.get(k) is not None:
+                targets[k] = dict(value=round(out[k], 3), goal="<= 1", met=out[k] <= 1.0)
+    out["targets"] = targets
+    out["settings"] = dict(rounds=args.rounds, steps=args.steps, warmup=args.warmup, threads=args.threads,
+                           peer="torch_tacl.py --head mlm", cpu_count=os.cpu_count(),
+                           load_avg_end=os.getloadavg(), cpu=cpu_info())
+    out["raw"] = rounds
+    return out
+
+
+def main_ablate(args) -> dict:
+    """One lever at a time at each size/precision, alternated over rounds; ratios to default."""
+    sizes, precisions = args.sizes.split(","), args.precisions.split(",")
+    names = [n for n in (args.ablations.split(",") if args.ablations else ABLATIONS)]
+    res = {}
+    for r in range(args.rounds):
+        for size in sizes:
+            for prec in precisions:
+                order = names if r % 2 == 0 else list(reversed(names))
+                for name in order:
+                    if name == "plain_autodiff" and prec == "fp32":
+                        continue
+                    o = _run(_ours_cmd(size, prec, args, **ABLATIONS[name]), args.timeout)
+                    res.setdefault(f"{size}_{prec}", {}).setdefault(name, []).append(o)
+                    print(f"ablate r{r} {size} {prec} {name}: {o.get('tokens_per_s', o.get('error'))}",
+                          file=sys.stderr, flush=True)
+    out = {}
+    for key, by_name in res.items():
+        base = by_name["default"]
+        for name, runs in by_name.items():
+            tps = _median([x.get("tokens_per_s") for x in runs])
+            ratios = [x["tokens_per_s"] / d["tokens_per_s"] for x, d in zip(runs, base)
+                      if x.get("tokens_per_s") and d.get("tokens_per_s")]
+            out[f"{key}_{name}_tokens_per_s"] = tps
+            out[f"{key}_{name}_vs_default"] = _median(ratios)
+            out[f"{key}_{name}_peak_rss_mb"] = _median([x.get("peak_rss_mb") for x in runs])
+    out["raw"] = res
+    return out
+
+
+def main_breakdown(args) -> dict:
+    out = {}
+    for size in args.sizes.split(","):
+        for prec in args.precisions.split(","):
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker=breakdown", f"--size={size}",
+                   f"--precision={prec}", f"--steps={args.steps}"]
+            out[f"{size}_{prec}"] = _run(cmd, args.timeout)
+    return out
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="small,base")
+    p.add_argument("--precisions", default="fp32,bf16")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per measurement")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--threads", type=int, default=2, help="the peer's torch threads")
+    p.add_argument("--peer_python", default=os.environ.get("PEER_PYTHON", sys.executable),
+                   help="python with torch + transformers for the peer (default: this one)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per measurement")
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument("--ablate", action="store_true", help="measure the levers (see ABLATIONS)")
+    p.add_argument("--ablations", default="", help="comma-separated subset of ABLATIONS")
+    p.add_argument("--breakdown", action="store_true", help="time the parts of our step")
+    # worker-only
+    p.add_argument("--worker", choices=("ours", "matmul", "breakdown"), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--size", default="small", help=argparse.SUPPRESS)
+    p.add_argument("--precision", default="bf16", help=argparse.SUPPRESS)
+    p.add_argument("--prng", default="threefry", help=argparse.SUPPRESS)
+    p.add_argument("--teacher_dtype", default="float32", help=argparse.SUPPRESS)
+    p.add_argument("--no_dropout", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--full_vocab_head", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--plain_autodiff", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--profile_dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--matmul_n", type=int, default=2048, help=argparse.SUPPRESS)
+    p.add_argument("--matmul_reps", type=int, default=5, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _main_worker(args) -> None:
+    import resource
+
+    fn = {"ours": worker_ours, "matmul": worker_matmul, "breakdown": worker_breakdown}[args.worker]
+    res = fn(args)
+    res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(res))
+
+
+def main(argv=None) -> dict | None:
+    args = parse_args(argv)
+    if args.worker:
+        _main_worker(args)
+        return None
+    if args.ablate:
+        out = main_ablate(args)
+    elif args.breakdown:
+        out = main_breakdown(args)
+    else:
+        out = main_compare(args)
+    text = json.dumps(out, default=float)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return out
+
+
+if __name__ == "__main__":
+    main()
