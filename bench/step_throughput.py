@@ -467,6 +467,16 @@ def main_compare(args) -> dict:
             if out.get(k) is not None:
                 targets[k] = dict(value=round(out[k], 3), goal="<= 1", met=out[k] <= 1.0)
     out["targets"] = targets
+    if args.coco_lm:
+        # COCO-LM's step at `small` (issue 7's row), in its own process like every measurement.
+        for prec in precisions:
+            row = _run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "coco_lm_step.py"),
+                        "--size=small", f"--precision={prec}", f"--steps={args.steps}",
+                        f"--warmup={args.warmup}"], args.timeout)
+            for k in ("tokens_per_s", "step_ms_median", "mfu_of_f32_peak", "mfu_of_bf16_peak", "peak_rss_mb",
+                      "error"):
+                if k in row:
+                    out[f"coco_lm_small_{prec}_{k}"] = row[k]
     out["settings"] = dict(rounds=args.rounds, steps=args.steps, warmup=args.warmup, threads=args.threads,
                            peer="torch_tacl.py --head mlm", cpu_count=os.cpu_count(),
                            load_avg_end=os.getloadavg(), cpu=cpu_info())
@@ -530,6 +540,7 @@ def parse_args(argv=None):
     p.add_argument("--ablate", action="store_true", help="measure the levers (see ABLATIONS)")
     p.add_argument("--ablations", default="", help="comma-separated subset of ABLATIONS")
     p.add_argument("--breakdown", action="store_true", help="time the parts of our step")
+    p.add_argument("--coco_lm", action="store_true", help="add COCO-LM step rows at `small` (bench/coco_lm_step.py)")
     # worker-only
     p.add_argument("--worker", choices=("ours", "matmul", "breakdown"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--size", default="small", help=argparse.SUPPRESS)

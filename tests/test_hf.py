@@ -153,3 +153,25 @@ def test_bad_folders_give_clear_errors(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(ValueError, match="model_type"):
         hf.load(str(tmp_path))
+
+
+def test_real_minilm_export_round_trip_through_transformers(minilm_dir, tmp_path):
+    """The real checkpoint exported both ways: BertForMaskedLM logits (with the MLM head we
+    initialised) and BertModel hidden states equal ours."""
+    model, params = hf.load(minilm_dir, dtype="float32")
+    tok = transformers.AutoTokenizer.from_pretrained(minilm_dir)
+    enc = tok(["a token-aware contrastive objective."], return_tensors="np")
+    ours = _ours(model, params, enc["input_ids"], enc["attention_mask"], enc["token_type_ids"])
+    feed = {k: torch.tensor(v) for k, v in enc.items()}
+    hf.save(model, params, str(tmp_path / "mlm"), head="mlm", tokenizer_from=minilm_dir)
+    pt, info = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path / "mlm", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    with torch.no_grad():
+        logits = pt.eval()(**feed).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours.mlm_logits), logits, atol=1e-4, rtol=1e-4)
+    hf.save(model, params, str(tmp_path / "enc"), head="none")
+    pt, info = transformers.AutoModel.from_pretrained(tmp_path / "enc", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    with torch.no_grad():
+        hidden = pt.eval()(**feed).last_hidden_state.numpy()
+    np.testing.assert_allclose(np.asarray(ours.last_hidden_state), hidden, atol=1e-4, rtol=1e-4)
