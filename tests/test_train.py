@@ -175,3 +175,14 @@ def test_remat_policies_leave_loss_and_grads_unchanged():
     for policy in ("full", "save_dots"):
         np.testing.assert_allclose(results[policy][0], results["none"][0], rtol=1e-6)
         _assert_trees_close(results[policy][2], results["none"][2], rtol=1e-5, atol=1e-7)
+
+
+def test_unknown_config_key_is_refused_by_the_cli(tmp_path):
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "tacl_jax.main", f"--config={ROOT / 'configs' / 'tiny.py'}",
+                        f"--workdir={tmp_path}", "--config.optim.learning_rat=1e-3"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode != 0
+    assert "learning_rat" in p.stderr and not (tmp_path / "metrics.jsonl").exists()
