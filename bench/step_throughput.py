@@ -179,6 +179,7 @@ def _build_ours(args):
     c.num_train_steps = args.warmup + args.steps
     c.model.dtype = PRECISIONS[args.precision]
     c.tacl.teacher_param_dtype = args.teacher_dtype
+    c.model.remat_policy = args.remat_policy
     if args.no_dropout:
         c.model.hidden_dropout_prob = 0.0
         c.model.attention_probs_dropout_prob = 0.0
@@ -238,6 +239,10 @@ def worker_ours(args) -> dict:
         t0 = time.perf_counter()
         compiled = b["p_step"].lower(b["state"], b["teacher"], b["batches"][0], b["rng"]).compile()
         compile_s = time.perf_counter() - t0
+        # XLA's own account of the step's buffers: temp = activations and scratch (what remat cuts),
+        # independent of compile-time peaks that ru_maxrss also sees.
+        mem = compiled.memory_analysis()
+        temp_mb = getattr(mem, "temp_size_in_bytes", 0) / 2**20 if mem is not None else None
         state, times, losses = b["state"], [], []
         for i, batch in enumerate(b["batches"]):
             t0 = time.perf_counter()
@@ -258,7 +263,7 @@ def worker_ours(args) -> dict:
     return dict(impl="tacl_jax", tokens_per_s=tok * len(times) / sum(times),
                 step_ms_median=1000 * statistics.median(times), step_ms_all=[round(1000 * t, 1) for t in times],
                 compile_s=compile_s, build_s=build_s, loss_first=losses[0], loss_last=losses[-1],
-                max_predictions=b["step_cfg"].max_predictions)
+                max_predictions=b["step_cfg"].max_predictions, xla_temp_mb=temp_mb)
 
 
 def worker_breakdown(args) -> dict:
@@ -514,6 +519,30 @@ def main_ablate(args) -> dict:
     return out
 
 
+def main_remat(args) -> dict:
+    """Peak memory and speed of our step per rematerialisation policy (issue 6's bench row), each
+    in its own process so that ``ru_maxrss`` is the step's own."""
+    out = dict(bench="step_throughput_remat", device="cpu", cpu=cpu_info())
+    for size in args.sizes.split(","):
+        for prec in args.precisions.split(","):
+            base = None
+            for policy in ("none", "full", "save_dots"):
+                r = _run(_ours_cmd(size, prec, args, remat_policy=policy), args.timeout)
+                key = f"{size}_{prec}_remat_{policy}"
+                out[f"{key}_peak_rss_mb"] = r.get("peak_rss_mb")
+                out[f"{key}_tokens_per_s"] = r.get("tokens_per_s")
+                out[f"{key}_xla_temp_mb"] = r.get("xla_temp_mb")
+                if "error" in r:
+                    out[f"{key}_error"] = r["error"]
+                if policy == "none":
+                    base = r
+                elif base and r.get("peak_rss_mb") and base.get("peak_rss_mb"):
+                    out[f"{key}_rss_vs_none"] = r["peak_rss_mb"] / base["peak_rss_mb"]
+                    if r.get("xla_temp_mb") and base.get("xla_temp_mb"):
+                        out[f"{key}_xla_temp_vs_none"] = r["xla_temp_mb"] / base["xla_temp_mb"]
+    return out
+
+
 def main_breakdown(args) -> dict:
     out = {}
     for size in args.sizes.split(","):
@@ -540,6 +569,8 @@ def parse_args(argv=None):
     p.add_argument("--ablate", action="store_true", help="measure the levers (see ABLATIONS)")
     p.add_argument("--ablations", default="", help="comma-separated subset of ABLATIONS")
     p.add_argument("--breakdown", action="store_true", help="time the parts of our step")
+    p.add_argument("--remat", action="store_true", help="peak memory per model.remat_policy (none/full/save_dots)")
+    p.add_argument("--remat_policy", default="none", help=argparse.SUPPRESS)
     p.add_argument("--coco_lm", action="store_true", help="add COCO-LM step rows at `small` (bench/coco_lm_step.py)")
     # worker-only
     p.add_argument("--worker", choices=("ours", "matmul", "breakdown"), default=None, help=argparse.SUPPRESS)
@@ -574,6 +605,8 @@ def main(argv=None) -> dict | None:
         out = main_ablate(args)
     elif args.breakdown:
         out = main_breakdown(args)
+    elif args.remat:
+        out = main_remat(args)
     else:
         out = main_compare(args)
     text = json.dumps(out, default=float)
