@@ -19,16 +19,13 @@ Expected throughput: not yet measured (tokens/s and MFU to be filled in from a r
 and the real fraction will be well below that.
 """
 
-import importlib.util
 import os
+
+from tacl_jax.config import load_config_file
 
 
 def _base_config():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "base.py")
-    spec = importlib.util.spec_from_file_location("tacl_configs_base", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return load_config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "base.py"))
 
 
 def get_config():

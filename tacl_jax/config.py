@@ -101,6 +101,19 @@ def default_config() -> ml_collections.ConfigDict:
     return c
 
 
+def load_config_file(path: str) -> ml_collections.ConfigDict:
+    """``get_config()`` of a config file given by path (how presets build on ``configs/base.py``
+    and tests on ``configs/tiny.py``, without making ``configs/`` a package)."""
+    import importlib.util
+    import os
+
+    name = "tacl_config_" + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
 def validate(c: ml_collections.ConfigDict) -> None:
     """Checks that need no devices. Device-dependent checks live in ``tacl_jax.train.loop``."""
     if c.objective not in OBJECTIVES:

@@ -1,7 +1,6 @@
 """The fused train step: sharded == unsharded, accumulation == one big batch, it learns, and the
 loop's start-up checks."""
 
-import importlib.util
 import json
 import pathlib
 
@@ -11,6 +10,7 @@ import numpy as np
 import pytest
 
 from tacl_jax import parallel, tokens
+from tacl_jax.config import load_config_file
 from tacl_jax.data import synthetic
 from tacl_jax.train import loop
 from tacl_jax.train.optimizer import make_optimizer
@@ -20,10 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def tiny_config(**overrides):
-    spec = importlib.util.spec_from_file_location("tiny", ROOT / "configs" / "tiny.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    c = mod.get_config()
+    c = load_config_file(str(ROOT / "configs" / "tiny.py"))
     for k, v in overrides.items():
         node = c
         *path, last = k.split(".")
