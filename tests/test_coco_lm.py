@@ -4,7 +4,6 @@ whose binary head beats the all-"original" baseline."""
 
 import dataclasses
 import functools
-import importlib.util
 import json
 import pathlib
 
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 
 from tacl_jax import hf, parallel, tokens
+from tacl_jax.config import load_config_file
 from tacl_jax.data import synthetic
 from tacl_jax.objectives import coco_lm as obj
 from tacl_jax.train import coco_step
@@ -26,10 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def coco_config(**overrides):
     """``configs/coco_lm_tiny.py`` with a 1-layer main model (compile time dominates these tests)."""
-    spec = importlib.util.spec_from_file_location("coco_lm_tiny", ROOT / "configs" / "coco_lm_tiny.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    c = mod.get_config()
+    c = load_config_file(str(ROOT / "configs" / "coco_lm_tiny.py"))
     c.init.scratch.num_hidden_layers = 1
     for k, v in overrides.items():
         node = c
