@@ -111,21 +111,37 @@ def cosine_matrix(model, params, input_ids: Sequence[int]) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- sentences
 
+class NoSentences(ValueError):
+    """The corpus (or split) has no sentence to analyse; the message says why."""
+
+
 def corpus_sentences(corpus: str, *, max_sentences: int = 2000, min_words: int = 3, seed: int = 0,
-                     split: str = "all", eval_fraction: float = 0.01) -> list[str]:
+                     split: str = "all", eval_fraction: float = 0.01, scan_limit: int = 0) -> list[str]:
     """Sentences of ``corpus`` (see the module doc), at most ``max_sentences`` (0 = all), drawn at
     random with ``seed`` and returned in corpus order."""
     from tacl_jax.data import config as data_config_lib
-    from tacl_jax.data import preprocess, sources
+    from tacl_jax.data import sources
 
-    if split not in ("all", "heldout"):
-        raise ValueError(f"split={split!r}: use 'all' or 'heldout'")
     kind = corpus.partition(":")[0]
     if kind not in sources.SOURCE_KINDS:
         corpus = "text:" + corpus
     dc = data_config_lib.default_config()
     dc.source = corpus
-    src = sources.open_source(dc)
+    return source_sentences(dc, max_sentences=max_sentences, min_words=min_words, seed=seed, split=split,
+                            eval_fraction=eval_fraction, scan_limit=scan_limit)
+
+
+def source_sentences(data_config, *, max_sentences: int = 2000, min_words: int = 3, seed: int = 0,
+                     split: str = "all", eval_fraction: float = 0.01, scan_limit: int = 0) -> list[str]:
+    """:func:`corpus_sentences` of the document source a ``config.data`` names (text, tfds or
+    builtin, with its ``text_doc_separator``/``text_field``/``data_dir``). ``scan_limit`` > 0 stops
+    reading the corpus once that many candidate sentences are found (large corpora); the sample is
+    then drawn from those. Raises :class:`NoSentences` when there is none."""
+    from tacl_jax.data import preprocess, sources
+
+    if split not in ("all", "heldout"):
+        raise ValueError(f"split={split!r}: use 'all' or 'heldout'")
+    src = sources.open_source(data_config)
     out = []
     for doc_index, lines in src.documents():
         if split == "heldout" and not preprocess.is_eval_document(doc_index, eval_fraction):
@@ -134,12 +150,54 @@ def corpus_sentences(corpus: str, *, max_sentences: int = 2000, min_words: int =
             if line.startswith("=") and line.endswith("="):   # wikitext headings
                 continue
             out.extend(s for s in preprocess.split_sentences(line) if len(s.split()) >= min_words)
+        if scan_limit and len(out) >= scan_limit:
+            break
     if not out:
-        raise ValueError(f"{corpus!r} ({split}) has no sentence of at least {min_words} words")
+        raise NoSentences(f"{data_config.source!r} ({split}) has no sentence of at least {min_words} words")
     if max_sentences and len(out) > max_sentences:
         keep = np.sort(np.random.default_rng(seed).choice(len(out), max_sentences, replace=False))
         out = [out[i] for i in keep]
     return out
+
+
+def heldout_sentences(data_config, *, max_sentences: int, min_words: int = 3, seed: int = 0,
+                      scan_limit: int = 0) -> tuple[list[str], str]:
+    """Sentences of a training run's held-out split (``config.data``): the documents
+    ``config.data.eval_fraction`` holds out, read again as text. For a ``prepared:`` source, the
+    text source its ``metadata.json`` records. Returns ``(sentences, source description)``; raises
+    :class:`NoSentences` saying why when the run has no held-out text (synthetic ids,
+    ``eval_fraction=0``, a prepared dataset whose text is not readable here)."""
+    from tacl_jax.data import sources
+
+    kind, arg = sources.parse_source(data_config.source)
+    dc = data_config
+    if kind == "synthetic":
+        raise NoSentences("config.data.source='synthetic' is random ids, not text")
+    if kind == "prepared":
+        from tacl_jax.data import tfds_builder
+
+        try:
+            meta = tfds_builder.PreparedRows(arg, "validation").metadata
+        except ValueError as e:
+            raise NoSentences(str(e)) from e
+        if not meta.get("source"):
+            raise NoSentences(f"the prepared dataset {arg} does not record its text source")
+        dc = data_config.copy_and_resolve_references()
+        with dc.unlocked():
+            dc.source = meta["source"]
+            dc.eval_fraction = meta.get("eval_fraction", dc.eval_fraction)
+            dc.text_doc_separator = meta.get("text_doc_separator", dc.text_doc_separator)
+            dc.text_field = meta.get("text_field", dc.text_field)
+    if dc.eval_fraction <= 0:
+        raise NoSentences("config.data.eval_fraction=0: the run holds out no documents")
+    try:
+        sentences = source_sentences(dc, max_sentences=max_sentences, min_words=min_words, seed=seed,
+                                     split="heldout", eval_fraction=dc.eval_fraction, scan_limit=scan_limit)
+    except (FileNotFoundError, ValueError) as e:
+        if isinstance(e, NoSentences):
+            raise
+        raise NoSentences(f"the held-out text of {dc.source!r} is not readable here ({e})") from e
+    return sentences, dc.source
 
 
 @dataclasses.dataclass

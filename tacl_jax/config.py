@@ -98,6 +98,15 @@ def default_config() -> ml_collections.ConfigDict:
     c.metrics.peak_flops_per_device = 0.0  # for MFU; 0 = tacl_jax.flops.PEAK_FLOPS by device kind
 
     c.data = data_config.default_config()
+    # After training (process 0, after the final export): layer-wise self-similarity of the export
+    # (and of init.hf_path) on held-out sentences -> workdir/analysis/ (see tacl_jax.analyze).
+    c.analysis = ml_collections.ConfigDict()
+    c.analysis.enabled = True            # skipped, with a log line, when the run has no held-out text
+    c.analysis.num_sentences = 200       # held-out sentences drawn (seed: config.seed)
+    c.analysis.compare_init = True       # also analyse init.hf_path (when set): one chart, two lines
+    c.analysis.max_len = 128             # ids per sentence incl. [CLS]/[SEP] (≤ max_position_embeddings)
+    c.analysis.batch_size = 32           # sentences per forward pass
+
     return c
 
 
@@ -136,3 +145,6 @@ def validate(c: ml_collections.ConfigDict) -> None:
         raise ValueError("masking: need 0 < mask_prob < 1 and replace_prob + random_prob <= 1")
     if c.tacl.temperature <= 0:
         raise ValueError("tacl.temperature must be positive")
+    if c.analysis.enabled and (c.analysis.num_sentences < 1 or c.analysis.max_len < 3 or c.analysis.batch_size < 1):
+        raise ValueError("analysis: need num_sentences >= 1, max_len >= 3 and batch_size >= 1 "
+                         "(or analysis.enabled=False)")

@@ -146,3 +146,72 @@ def test_workdir_export_picks_latest_then_final_then_newest_step(tmp_path):
     assert analyze.workdir_export(str(tmp_path)).endswith("final")
     (tmp_path / "export" / "latest").mkdir()
     assert analyze.workdir_export(str(tmp_path)).endswith("latest")
+
+
+def test_training_run_analyses_its_export_on_held_out_sentences(tmp_path, caplog):
+    """A tiny real TaCL run (text corpus, init from an HF folder) ends with workdir/analysis/: its
+    numbers are what tacl_jax.analyze computes directly on the export and on the init folder."""
+    import logging
+    import pathlib
+
+    from tacl_jax.config import load_config_file
+    from tacl_jax.train import loop
+
+    tok_dir = testing.write_toy_tokenizer(str(tmp_path / "tok"), extra_words=testing.WORDS)
+    corpus = testing.write_text_corpus(str(tmp_path / "corpus.txt"), testing.random_documents(300, seed=0))
+    init_model = BertModel(BertConfig(**dict(TINY, vocab_size=512, hidden_size=32, num_attention_heads=4, with_pooler=True,
+                                             intermediate_size=64)))
+    init_params = jax.jit(lambda r: init_model.init(r, jnp.zeros((1, 8), jnp.int32))["params"])(jax.random.key(3))
+    init_dir = hf.save(init_model, jax.tree.map(np.asarray, init_params), str(tmp_path / "init"), head="none",
+                       tokenizer_from=tok_dir)
+
+    config = load_config_file(str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny.py"))
+    config.init.from_scratch = False
+    config.init.hf_path = init_dir
+    config.data.source = f"text:{corpus}"
+    config.data.eval_fraction = 0.1
+    config.num_train_steps = 3
+    config.eval_batches = 1
+    config.analysis.num_sentences = 40
+    config.analysis.batch_size = 16
+    workdir = tmp_path / "run"
+    with caplog.at_level(logging.INFO, logger="tacl_jax.train.loop"):
+        assert loop.train_and_evaluate(config, str(workdir))["status"] == "finished"
+    line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("analysis:")]
+    assert len(line) == 1 and "last-layer self-similarity" in line[0] and "(init " in line[0], line
+
+    out = workdir / "analysis"
+    report = json.loads((out / "self_similarity.json").read_text())
+    assert report["num_sentences"] == 40 and report["max_len"] == 64   # = max_position_embeddings
+    assert [r["label"] for r in report["models"]] == ["init", "after 3 steps (tacl)"]
+    for name in ("self_similarity.png", "cosine_heatmap.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+    direct = analyze.analyze([init_dir, str(workdir / "export" / "final")], f"text:{corpus}", None,
+                             max_sentences=40, max_len=64, batch_size=16, seed=config.seed, split="heldout",
+                             eval_fraction=0.1)
+    for got, want in zip(report["models"], direct["models"]):
+        np.testing.assert_allclose(got["self_similarity"], want["self_similarity"], rtol=1e-6)
+        assert got["last_layer"] == pytest.approx(want["last_layer"], rel=1e-6)
+        assert got["pair_count"] == want["pair_count"]
+    assert report["models"][0]["last_layer"] != report["models"][1]["last_layer"]   # training moved it
+    assert f"{report['models'][1]['last_layer']:.4f}" in line[0]
+
+
+def test_no_held_out_text_is_a_reason_not_an_error(tmp_path):
+    from tacl_jax.data import config as data_config
+
+    def dc(**kw):
+        c = data_config.default_config()
+        c.update(kw)
+        return c
+
+    with pytest.raises(analyze.NoSentences, match="random ids"):
+        analyze.heldout_sentences(dc(source="synthetic"), max_sentences=5)
+    corpus = testing.write_text_corpus(str(tmp_path / "c.txt"), testing.random_documents(20, seed=1))
+    with pytest.raises(analyze.NoSentences, match="eval_fraction=0"):
+        analyze.heldout_sentences(dc(source=f"text:{corpus}", eval_fraction=0.0), max_sentences=5)
+    with pytest.raises(analyze.NoSentences, match="not readable"):
+        analyze.heldout_sentences(dc(source=f"text:{tmp_path}/missing.txt"), max_sentences=5)
+    got, source = analyze.heldout_sentences(dc(source=f"text:{corpus}", eval_fraction=0.2), max_sentences=5)
+    assert len(got) == 5 and source == f"text:{corpus}"

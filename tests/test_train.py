@@ -125,10 +125,14 @@ def test_tiny_model_overfits_a_fixed_batch():
     assert losses[-1] < losses[0] / 4, (losses[0], losses[-1])
 
 
-def test_loop_runs_and_logs_every_step(tmp_path):
+def test_loop_runs_and_logs_every_step(tmp_path, caplog):
     config = tiny_config(num_train_steps=4, log_every=1)
     config.checkpoint.every = 2
-    out = loop.train_and_evaluate(config, str(tmp_path))
+    with caplog.at_level("INFO", logger="tacl_jax.train.loop"):
+        out = loop.train_and_evaluate(config, str(tmp_path))
+    # Synthetic ids have no held-out text: the end-of-training analysis says so and is skipped.
+    assert "analysis skipped: no held-out sentences (config.data.source='synthetic'" in caplog.text
+    assert not (tmp_path / "analysis").exists()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval_mlm_loss" in r]
     rows = [r for r in rows if "loss" in r]

@@ -462,9 +462,51 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         train_iter.close()
     return {"state": state, "metrics": last, "model": model, "status": status}
 
+    if status == "finished" and config.analysis.enabled and jax.process_index() == 0:
+        try:
+            analyze_at_end(config, workdir, export_model.config.max_position_embeddings)
+        except Exception:  # pylint: disable=broad-except  # the run is complete and saved either way
+            log.exception("analysis failed (training, checkpoint and export are complete); rerun it with "
+                          "python -m tacl_jax.analyze --workdir=%s --split=heldout --out=...", workdir)
 
 def export_dir(workdir: str, name: str) -> str:
     return os.path.join(workdir, "export", name)
+def analyze_at_end(config, workdir: str, max_position_embeddings: int) -> dict | None:
+    """The TaCL paper's isotropy analysis of the final export (and of ``init.hf_path`` with
+    ``analysis.compare_init``) on held-out sentences: ``workdir/analysis/self_similarity.json``,
+    ``self_similarity.png`` and ``cosine_heatmap.png``, and one log line. Skipped, with a log line
+    saying why, when there is no export or no held-out text. Returns the report (None if skipped)."""
+    from tacl_jax import analyze
+
+    ac = config.analysis
+    export = export_dir(local_dir(workdir), "final")
+    if not config.export_at_end or not os.path.isdir(export):
+        log.info("analysis skipped: it reads the final Hugging Face export (config.export_at_end=True)")
+        return None
+    try:
+        sentences, source = analyze.heldout_sentences(config.data, max_sentences=ac.num_sentences,
+                                                      seed=config.seed, scan_limit=20 * ac.num_sentences)
+    except analyze.NoSentences as e:
+        log.info("analysis skipped: no held-out sentences (%s)", e)
+        return None
+    t0 = time.perf_counter()
+    entries = []
+    if ac.compare_init and config.init.hf_path:
+        entries.append(analyze.load_entry(config.init.hf_path, "init"))
+    entries.append(analyze.load_entry(export, f"after {config.num_train_steps} steps ({config.objective})"))
+    out = os.path.join(local_dir(workdir), "analysis")
+    report = analyze.run_analysis(entries, sentences, out, max_len=min(ac.max_len, max_position_embeddings),
+                                  batch_size=ac.batch_size, corpus=f"{source} (held-out)")
+    if out != os.path.join(workdir, "analysis"):
+        _copy_tree(out, os.path.join(workdir, "analysis"))
+    run = report["models"][-1]["last_layer"]
+    init = f" (init {report['models'][0]['last_layer']:.4f})" if len(entries) > 1 else ""
+    log.info("analysis: last-layer self-similarity %.4f%s on %d held-out sentences, %.0fs -> %s "
+             "(self_similarity.json, self_similarity.png, cosine_heatmap.png)", run, init, len(sentences),
+             time.perf_counter() - t0, os.path.join(workdir, "analysis"))
+    return report
+
+
 
 
 def _export(model, params, workdir: str, name: str, tok_dir: str | None) -> None:
