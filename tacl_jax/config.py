@@ -97,7 +97,6 @@ def default_config() -> ml_collections.ConfigDict:
     c.metrics = ml_collections.ConfigDict()
     c.metrics.peak_flops_per_device = 0.0  # for MFU; 0 = tacl_jax.flops.PEAK_FLOPS by device kind
 
-    c.data = data_config.default_config()
     # After training (process 0, after the final export): layer-wise self-similarity of the export
     # (and of init.hf_path) on held-out sentences -> workdir/analysis/ (see tacl_jax.analyze).
     c.analysis = ml_collections.ConfigDict()
@@ -107,6 +106,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.analysis.max_len = 128             # ids per sentence incl. [CLS]/[SEP] (≤ max_position_embeddings)
     c.analysis.batch_size = 32           # sentences per forward pass
 
+    c.data = data_config.default_config()
     return c
 
 

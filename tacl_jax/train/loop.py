@@ -460,17 +460,15 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         preempt.uninstall()
         writer.close()
         train_iter.close()
-    return {"state": state, "metrics": last, "model": model, "status": status}
-
     if status == "finished" and config.analysis.enabled and jax.process_index() == 0:
         try:
             analyze_at_end(config, workdir, export_model.config.max_position_embeddings)
         except Exception:  # pylint: disable=broad-except  # the run is complete and saved either way
             log.exception("analysis failed (training, checkpoint and export are complete); rerun it with "
                           "python -m tacl_jax.analyze --workdir=%s --split=heldout --out=...", workdir)
+    return {"state": state, "metrics": last, "model": model, "status": status}
 
-def export_dir(workdir: str, name: str) -> str:
-    return os.path.join(workdir, "export", name)
+
 def analyze_at_end(config, workdir: str, max_position_embeddings: int) -> dict | None:
     """The TaCL paper's isotropy analysis of the final export (and of ``init.hf_path`` with
     ``analysis.compare_init``) on held-out sentences: ``workdir/analysis/self_similarity.json``,
@@ -507,6 +505,8 @@ def analyze_at_end(config, workdir: str, max_position_embeddings: int) -> dict |
     return report
 
 
+def export_dir(workdir: str, name: str) -> str:
+    return os.path.join(workdir, "export", name)
 
 
 def _export(model, params, workdir: str, name: str, tok_dir: str | None) -> None:
