@@ -55,8 +55,16 @@ _IGNORED = ("embeddings.position_ids", "cls.predictions.decoder.weight", "cls.pr
 
 # ----------------------------------------------------------------------------- reading
 
+def _check_folder(path: str) -> None:
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"Hugging Face checkpoint folder {path!r} does not exist; give a local "
+                                "folder with config.json and model.safetensors (download one with "
+                                "`huggingface-cli download bert-base-uncased --local-dir DIR`)")
+
+
 def read_config(path: str) -> BertConfig:
     """``path/config.json`` -> ``BertConfig`` (architecture fields only; numerics keep defaults)."""
+    _check_folder(path)
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise FileNotFoundError(f"{cfg_file} not found: a Hugging Face BERT folder needs config.json "
@@ -198,10 +206,6 @@ def load(path: str, *, seed: int = 0, **overrides) -> tuple[BertModel, dict]:
     from ``seed`` (BERT's N(0, 0.02) init), with a log line. Params are numpy float32 (host memory);
     ``tacl_jax.parallel`` places them on the mesh.
     """
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"Hugging Face checkpoint folder {path!r} does not exist; give a local "
-                                "folder with config.json and model.safetensors (download one with "
-                                "`huggingface-cli download bert-base-uncased --local-dir DIR`)")
     cfg = read_config(path).replace(**overrides)
     params, missing = state_dict_to_params(read_state_dict(path), cfg)
     wanted = {"pooler": cfg.with_pooler or cfg.with_nsp_head, "mlm": cfg.with_mlm_head, "nsp": cfg.with_nsp_head}

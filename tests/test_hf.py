@@ -145,6 +145,9 @@ def test_real_minilm_checkpoint_matches_transformers(minilm_dir):
 def test_bad_folders_give_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         hf.load(str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="folder .*nope' does not exist") as e:
+        hf.read_config(str(tmp_path / "nope"))        # what the loop reads first: not "config.json not found"
+    assert "config.json not found" not in str(e.value)
     with pytest.raises(FileNotFoundError, match="config.json"):
         hf.load(str(tmp_path))
     (tmp_path / "config.json").write_text('{"model_type": "bert", "hidden_size": 32, "num_attention_heads": 4}')

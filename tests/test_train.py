@@ -150,11 +150,14 @@ def test_loop_runs_and_logs_every_step(tmp_path, caplog):
     (dict(**{"mesh.data": 3}), "mesh"),
     (dict(**{"init.from_scratch": False}), "pretrained teacher"),
     (dict(grad_accum_steps=3), "not divisible by grad_accum_steps"),
+    (dict(**{"init.hf_path": "/nonexistent/bert-base-uncased"}), "bert-base-uncased' does not exist"),
+    (dict(**{"data.source": "text:/nonexistent/corpus.txt"}), "corpus.txt"),
 ])
 def test_startup_validation_errors(tmp_path, overrides, match):
     config = tiny_config(**overrides)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
         loop.train_and_evaluate(config, str(tmp_path))
+    assert not (tmp_path / "checkpoints").exists()   # refused before anything is written
 
 
 def test_non_finite_loss_stops_with_a_clear_message(tmp_path):

@@ -306,8 +306,6 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     config_lib.validate(config)
     workdir = os.path.abspath(workdir) if "://" not in workdir else workdir
     rules = parallel.rules_from_config(config.logical_axis_rules)
-    ckpt = checkpoint.CheckpointManager(workdir, config.checkpoint)
-    latest = ckpt.latest_step()
 
     # --- mesh
     devices = jax.devices()[:config.mesh_devices] if config.mesh_devices > 0 else jax.devices()
@@ -327,7 +325,20 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     tx, schedule = make_optimizer(config.optim, config.num_train_steps)
     abstract_state, state_sh = state_shardings(model, tx, mesh, rules, config.max_len)
 
-    # --- state: this workdir's checkpoint → init.hf_path → init.params_from → from scratch
+    # --- input (before the checkpoint folder exists: a refused data config leaves nothing behind)
+    data_kwargs = dict(global_batch_size=config.global_batch_size, max_len=config.max_len, seed=config.seed,
+                       process_index=jax.process_index(), process_count=jax.process_count(),
+                       tokenizer_dir=tok_dir or None, vocab_size=model.config.vocab_size,
+                       special_ids=special, with_nsp=config.nsp)
+    train_iter = data_lib.make_train_iterator(config.data, **data_kwargs)
+    eval_batches = []
+    if config.eval_every > 0 or config.eval_at_end:
+        eval_batches = data_lib.make_eval_batches(config.data, num_batches=config.eval_batches, **data_kwargs)
+
+    # --- state: this workdir's checkpoint → init.hf_path → init.params_from → from scratch.
+    # Every start-up check above has passed: only now is workdir/checkpoints created.
+    ckpt = checkpoint.CheckpointManager(workdir, config.checkpoint)
+    latest = ckpt.latest_step()
     data_state = None
     if latest is not None:
         log.info("start-up: resuming from %s/%d", ckpt.directory, latest)
@@ -336,6 +347,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
             log.info("this run already finished: step %d of %d is checkpointed in %s; nothing to do",
                      latest, config.num_train_steps, ckpt.directory)
             ckpt.close()
+            train_iter.close()
             return {"state": state, "metrics": {}, "model": model, "status": "already_finished"}
     elif config.init.hf_path:
         log.info("start-up: no checkpoint in %s; student and teacher from the Hugging Face checkpoint %s",
@@ -373,20 +385,12 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
              model.config.num_hidden_layers, model.config.hidden_size, model.config.vocab_size,
              model.config.padded_vocab_size, model.config.dtype, n_params / 1e6, config.objective)
 
-    # --- input
-    data_kwargs = dict(global_batch_size=config.global_batch_size, max_len=config.max_len, seed=config.seed,
-                       process_index=jax.process_index(), process_count=jax.process_count(),
-                       tokenizer_dir=tok_dir or None, vocab_size=model.config.vocab_size,
-                       special_ids=special, with_nsp=config.nsp)
-    train_iter = data_lib.make_train_iterator(config.data, **data_kwargs)
+    # --- input, at the restored step
     if data_state is not None:
         train_iter.set_state(data_state)
     if train_iter.step != start:
         raise checkpoint.CheckpointError(f"the data iterator is at step {train_iter.step} but the "
                                          f"train state at step {start}: the checkpoint is inconsistent")
-    eval_batches = []
-    if config.eval_every > 0 or config.eval_at_end:
-        eval_batches = data_lib.make_eval_batches(config.data, num_batches=config.eval_batches, **data_kwargs)
 
     # --- step
     if coco:
