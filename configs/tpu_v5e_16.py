@@ -2,8 +2,8 @@
 
 Hardware: 16 v5e chips on 4 hosts (4 chips and one JAX process each), 16 GiB HBM per chip;
 runtime ``v2-alpha-tpuv5-lite``, zone e.g. ``us-west4-a``. Every host runs the same command
-(``launch/tpu_vm.sh train`` does this with ``--worker=all``); ``jax.distributed`` is initialised
-from the TPU environment (``distributed.initialize='always'``).
+(``launch/tpu_vm.sh train`` does this with ``--worker=all``); ``distributed.initialize='auto'``
+finds the 4 hosts in the Cloud TPU metadata and initialises ``jax.distributed`` from it.
 Layout: pure data parallelism over the 16 chips (``mesh.data=16``): 16 rows of 256 tokens per
 chip, each host feeding 64 rows; bf16 compute, fp32 parameters and optimizer state, no
 rematerialisation (BERT-base with its frozen teacher needs a few GiB of the 16).
@@ -31,7 +31,7 @@ def get_config():
     c = _base_config()                    # the paper: L 256, batch 256, 150k steps, lr 1e-4, τ 0.01
     c.mesh.update(data=-1, fsdp=1, tensor=1)
     c.mesh_devices = 0
-    c.distributed.initialize = "always"   # 4 hosts: jax.distributed from the Cloud TPU metadata
+    c.distributed.initialize = "auto"     # 4 hosts (Cloud TPU metadata): jax.distributed.initialize()
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "float32"
     c.model.remat_policy = "none"

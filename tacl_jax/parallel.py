@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Sequence
+import re
+from typing import Any, Callable, Mapping, Sequence
 
 import flax.linen as nn
 import jax
@@ -55,17 +56,87 @@ def rules_from_config(rules: Sequence | None) -> tuple:
 
 # ----------------------------------------------------------------------------- start-up
 
-def maybe_initialize_distributed(cfg) -> None:
-    """Start JAX's multi-host runtime when this is one process of many.
+DISTRIBUTED_MODES = ("auto", "always", "never")
 
-    ``cfg`` is ``config.distributed``: ``coordinator_address`` (``host:port``), ``num_processes``,
-    ``process_id``, ``local_device_ids``. With no address, ``jax.distributed.initialize()`` is
-    called without arguments on a Cloud TPU VM slice with several workers, under SLURM with
-    several tasks, or when ``initialize='always'``; JAX then reads the cluster from the
-    environment. ``initialize='never'`` turns it off.
+
+def distributed_decision(mode: str, env: Mapping[str, str], *, coordinator_address: str = "",
+                         tpu_vm_processes: Callable[[], int | None] | None = None) -> tuple[bool, str]:
+    """Whether this process should call ``jax.distributed.initialize``, and why (a pure function of
+    the config, the environment and, last, the Cloud TPU metadata).
+
+    ``mode`` is ``config.distributed.initialize``. ``'never'``: no. An explicit
+    ``coordinator_address`` or ``'always'``: yes. ``'auto'`` (the default) says yes only when this
+    is one process of several:
+
+    * Multislice TPU: ``MEGASCALE_NUM_SLICES`` > 1 or ``MEGASCALE_COORDINATOR_ADDRESS`` set;
+    * a TPU slice whose hosts (or processes) the environment lists: ``TPU_PROCESS_ADDRESSES`` /
+      ``TPU_WORKER_HOSTNAMES`` with more than one entry (GKE, multi-process hosts; one entry = one
+      host: no), or ``CLOUD_TPU_TASK_ID`` (one of several processes on a TPU host);
+    * SLURM: ``SLURM_JOB_ID`` with ``SLURM_STEP_NUM_TASKS`` (else ``SLURM_NTASKS``) > 1;
+    * a Cloud TPU VM slice (GCE, ``launch/tpu_vm.sh``), whose environment names no peers:
+      ``tpu_vm_processes()`` (hosts × slices from the metadata server, None off a TPU VM) > 1.
+
+    Anything else (a laptop, one GPU host, a single-host TPU VM such as v4-8) runs alone.
+    ``jax.distributed.initialize()`` is then called without arguments: JAX reads the same
+    environment (or metadata) for the coordinator, the process count and this process's id.
     """
-    mode = cfg.get("initialize", "auto")
-    if mode == "never" or _distributed_is_initialized():
+    if mode not in DISTRIBUTED_MODES:
+        raise ValueError(f"config.distributed.initialize={mode!r}: use one of {DISTRIBUTED_MODES}")
+    if mode == "never":
+        return False, "config.distributed.initialize='never'"
+    if coordinator_address:
+        return True, f"config.distributed.coordinator_address={coordinator_address}"
+    if mode == "always":
+        return True, "config.distributed.initialize='always' (JAX finds the cluster in the environment)"
+    slices = _int(env.get("MEGASCALE_NUM_SLICES"))
+    if (slices or 0) > 1 or env.get("MEGASCALE_COORDINATOR_ADDRESS"):
+        return True, f"Multislice TPU (MEGASCALE_NUM_SLICES={env.get('MEGASCALE_NUM_SLICES', '?')})"
+    for var in ("TPU_PROCESS_ADDRESSES", "TPU_WORKER_HOSTNAMES"):
+        if env.get(var, "").strip():
+            n = len([w for w in env[var].split(",") if w.strip()])
+            if n > 1:
+                return True, f"TPU slice of {n} hosts/processes ({var})"
+            return False, f"one TPU host ({var} lists one)"
+    if env.get("CLOUD_TPU_TASK_ID", "").strip():
+        return True, f"one of several processes on a TPU host (CLOUD_TPU_TASK_ID={env['CLOUD_TPU_TASK_ID']})"
+    if "SLURM_JOB_ID" in env:
+        var = next((v for v in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS") if _int(env.get(v))), None)
+        n = _int(env.get(var)) if var else 1
+        if n > 1:
+            return True, f"SLURM job step of {n} tasks ({var})"
+        return False, "SLURM job with one task"
+    n = tpu_vm_processes() if tpu_vm_processes is not None else None
+    if n is not None:
+        if n > 1:
+            return True, f"Cloud TPU VM slice of {n} hosts (metadata)"
+        return False, "single-host Cloud TPU VM (metadata)"
+    return False, "one process (no TPU slice, Multislice or SLURM job in the environment)"
+
+
+def _int(value) -> int | None:
+    try:
+        return int(str(value).strip())
+    except (TypeError, ValueError):
+        return None
+
+
+def maybe_initialize_distributed(cfg) -> None:
+    """Start JAX's multi-host runtime when this is one process of many (see
+    :func:`distributed_decision`); once per process.
+
+    ``cfg`` is ``config.distributed``: ``initialize`` (``'auto'`` | ``'always'`` | ``'never'``),
+    ``coordinator_address`` (``host:port``), ``num_processes``, ``process_id``,
+    ``local_device_ids``; the last three are used only with an address.
+    """
+    global _DECIDED
+    if _DECIDED or _distributed_is_initialized():
+        return
+    initialize, reason = distributed_decision(cfg.get("initialize", "auto"), os.environ,
+                                              coordinator_address=cfg.get("coordinator_address", ""),
+                                              tpu_vm_processes=cloud_tpu_vm_process_count)
+    _DECIDED = True
+    if not initialize:
+        log.info("jax.distributed not initialised: %s", reason)
         return
     kwargs = {}
     if cfg.get("coordinator_address"):
@@ -73,14 +144,15 @@ def maybe_initialize_distributed(cfg) -> None:
                       process_id=int(cfg.process_id))
         if cfg.get("local_device_ids"):
             kwargs["local_device_ids"] = list(cfg.local_device_ids)
-    elif mode != "always" and not _looks_multi_host():
-        return
     # Cross-process collectives on CPU devices (tests, CPU clusters) go through gloo; TPU and GPU
     # backends ignore this setting.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**kwargs)
-    log.info("jax.distributed initialised: process %d of %d, %d local / %d global devices",
+    log.info("jax.distributed initialised (%s): process %d of %d, %d local / %d global devices", reason,
              jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count())
+
+
+_DECIDED = False
 
 
 def _distributed_is_initialized() -> bool:
@@ -91,11 +163,39 @@ def _distributed_is_initialized() -> bool:
         return False
 
 
-def _looks_multi_host() -> bool:
-    workers = os.environ.get("TPU_WORKER_HOSTNAMES", "")
-    if "," in workers:
-        return True
-    return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in os.environ
+def cloud_tpu_vm_process_count(timeout_s: float = 10.0) -> int | None:
+    """Processes of this Cloud TPU VM slice (hosts × Multislice slices) from the GCE metadata
+    server; None off a Cloud TPU VM (no TPU chips, as ``import jax`` found them) or when the
+    server does not answer."""
+    if os.environ.get("TPU_SKIP_MDS_QUERY") is not None:   # set by JAX itself where there are no chips
+        return None
+    try:
+        from jax._src import cloud_tpu_init
+        if not cloud_tpu_init.running_in_cloud_tpu_vm:
+            return None
+    except Exception:  # private API moved: the environment checks above still apply
+        return None
+    endpoints = _gce_metadata("worker-network-endpoints", timeout_s)
+    if endpoints is None:
+        log.warning("Cloud TPU VM without an answer from the metadata server: assuming one host; set "
+                    "--config.distributed.initialize=always on a multi-host slice")
+        return None
+    hosts = max(1, len([w for w in endpoints.split(",") if w.strip()]))
+    match = re.search(r"^\s*MEGASCALE_NUM_SLICES\s*:\s*'?(\d+)", _gce_metadata("tpu-env", timeout_s) or "", re.M)
+    return hosts * (int(match.group(1)) if match else 1)
+
+
+def _gce_metadata(key: str, timeout_s: float) -> str | None:
+    import urllib.request
+
+    host = os.environ.get("GCE_METADATA_IP", "metadata.google.internal")
+    req = urllib.request.Request(f"http://{host}/computeMetadata/v1/instance/attributes/{key}",
+                                 headers={"Metadata-Flavor": "Google"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return r.read().decode()
+    except Exception:  # pylint: disable=broad-except  # no server, no key: unknown
+        return None
 
 
 # ----------------------------------------------------------------------------- mesh
