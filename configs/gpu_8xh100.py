@@ -4,7 +4,9 @@ Hardware: 8 × H100/H200 (80/141 GB HBM) with NVLink, one process driving all 8 
 (``launch/gpu_single_host.sh``), or one process per GPU under SLURM
 (``launch/slurm_gpu.sbatch``; the same config, the distributed keys come from SLURM).
 Layout: pure data parallelism (``mesh.data=8``): 32 rows of 256 tokens per GPU, bf16 compute,
-fp32 parameters and optimizer state, no rematerialisation.
+fp32 parameters and optimizer state, no rematerialisation; the layers run as one ``nn.scan``
+(``model.scan_layers``: one layer body to compile; checkpoints stack the layers on a leading
+axis, exports are ordinary Hugging Face folders).
 
     pip install -e ".[gpu]"
     WORKDIR=/data/runs/tacl_8xh100 DATA=/data/wiki_l256 HF_PATH=/data/bert-base-uncased \
@@ -36,6 +38,7 @@ def get_config():
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "float32"
     c.model.remat_policy = "none"
+    c.model.scan_layers = True            # one compiled layer body: params encoder/layers/... [12, ...]
     c.global_batch_size = 256             # 32 rows per GPU
     c.grad_accum_steps = 1
     c.checkpoint.every = 1000

@@ -3,7 +3,9 @@
 Hardware: TPU v4-8 = one host, 4 chips, 4 JAX devices (each chip's two TensorCores form one
 megacore device), 32 GiB HBM per chip; runtime ``tpu-ubuntu2204-base``, zone ``us-central2-b``.
 Layout: pure data parallelism (``mesh.data=4``): 64 rows of 256 tokens per chip, bf16 compute
-with fp32 parameters and optimizer state, no rematerialisation (BERT-base fits easily).
+with fp32 parameters and optimizer state, no rematerialisation (BERT-base fits easily);
+the layers run as one ``nn.scan`` (``model.scan_layers``: one layer body to compile; checkpoints
+stack the layers on a leading axis, exports are ordinary Hugging Face folders).
 
     ACCELERATOR_TYPE=v4-8 BUCKET=gs://MY_BUCKET DATA=gs://MY_BUCKET/data/wiki_l256 \
         launch/tpu_vm.sh create setup train          # see launch/README.md
@@ -35,6 +37,7 @@ def get_config():
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "float32"
     c.model.remat_policy = "none"
+    c.model.scan_layers = True            # one compiled layer body: params encoder/layers/... [12, ...]
     c.global_batch_size = 256
     c.grad_accum_steps = 1
     c.checkpoint.every = 1000

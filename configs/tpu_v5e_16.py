@@ -6,7 +6,9 @@ runtime ``v2-alpha-tpuv5-lite``, zone e.g. ``us-west4-a``. Every host runs the s
 finds the 4 hosts in the Cloud TPU metadata and initialises ``jax.distributed`` from it.
 Layout: pure data parallelism over the 16 chips (``mesh.data=16``): 16 rows of 256 tokens per
 chip, each host feeding 64 rows; bf16 compute, fp32 parameters and optimizer state, no
-rematerialisation (BERT-base with its frozen teacher needs a few GiB of the 16).
+rematerialisation (BERT-base with its frozen teacher needs a few GiB of the 16); the layers run
+as one ``nn.scan`` (``model.scan_layers``: one layer body to compile; checkpoints stack the
+layers on a leading axis, exports are ordinary Hugging Face folders).
 
     ACCELERATOR_TYPE=v5litepod-16 BUCKET=gs://MY_BUCKET DATA=gs://MY_BUCKET/data/wiki_l256 \
         launch/tpu_vm.sh create setup train          # see launch/README.md
@@ -35,6 +37,7 @@ def get_config():
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "float32"
     c.model.remat_policy = "none"
+    c.model.scan_layers = True            # one compiled layer body: params encoder/layers/... [12, ...]
     c.global_batch_size = 256             # 64 rows per host, 16 per chip
     c.grad_accum_steps = 1
     c.checkpoint.every = 1000

@@ -156,7 +156,8 @@ class CheckpointManager:
             raise CheckpointError(
                 f"checkpoint {self.directory}/{step} cannot be restored into this run's state "
                 f"({type(e).__name__}: {str(e)[:300]}). It was written by a different model or "
-                "optimizer config, or is damaged; use another --workdir, or "
+                "optimizer config (e.g. another model.scan_layers: the layer layout differs), or is "
+                "damaged; use another --workdir, or "
                 "init.params_from to take only its params. Nothing was deleted.") from e
         return out.state, out.data, out.config
 

@@ -47,6 +47,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.dtype = "bfloat16"           # compute dtype: 'bfloat16' | 'float32'
     c.model.param_dtype = "float32"
     c.model.remat_policy = "none"        # 'none' | 'full' | 'save_dots'
+    c.model.scan_layers = False          # one nn.scan over the layers: params encoder/layers/... [N, ...]
     c.model.hidden_dropout_prob = 0.1
     c.model.attention_probs_dropout_prob = 0.1
     c.model.vocab_multiple = 128
@@ -129,6 +130,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
         raise ValueError(f"config.objective={c.objective!r}: use one of {OBJECTIVES}")
     if c.model.remat_policy not in REMAT_POLICIES:
         raise ValueError(f"config.model.remat_policy={c.model.remat_policy!r}: use one of {REMAT_POLICIES}")
+    if not isinstance(c.model.scan_layers, bool):
+        raise ValueError(f"config.model.scan_layers={c.model.scan_layers!r}: use True or False")
     data_config.validate(c.data)
     if c.nsp and c.data.packing != "nsp_pairs" and c.data.source != "synthetic":
         raise ValueError("config.nsp=True needs sentence pairs: set config.data.packing='nsp_pairs'")

@@ -25,6 +25,10 @@ transpose of our kernel ``[in, out]``, reshaped for the attention heads::
     cls.predictions.transform.dense.* / transform.LayerNorm.* -> mlm_transform / mlm_norm
     cls.predictions.bias                                    -> mlm_bias (padded)
     cls.seq_relationship.*                                  -> nsp
+
+A model with ``scan_layers=True`` keeps its layers stacked in ``encoder/layers`` (leading axis =
+layer N): ``load`` stacks the per-layer tensors into that layout (``bert.stack_layers``) and
+``save`` unstacks them (``bert.unstack_layers``), so either layout reads and writes the same files.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tacl_jax.models import BertConfig, BertModel
+from tacl_jax.models.bert import SCAN_NAME, stack_layers, unstack_layers
 
 log = logging.getLogger(__name__)
 
@@ -136,8 +141,9 @@ def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
 
 
 def state_dict_to_params(sd: Mapping[str, np.ndarray], cfg: BertConfig) -> tuple[dict, list[str]]:
-    """HF tensors -> our (numpy) parameter tree. Returns ``(params, missing_parts)`` where
-    ``missing_parts`` names the heads the checkpoint does not have (``pooler``, ``mlm``, ``nsp``)."""
+    """HF tensors -> our (numpy) parameter tree, in the scanned layout when ``cfg.scan_layers``.
+    Returns ``(params, missing_parts)`` where ``missing_parts`` names the heads the checkpoint does
+    not have (``pooler``, ``mlm``, ``nsp``)."""
     sd = dict(sd)
     prefix = "bert." if any(k.startswith("bert.") for k in sd) else ""
     if prefix + "embeddings.word_embeddings.weight" not in sd:
@@ -176,6 +182,8 @@ def state_dict_to_params(sd: Mapping[str, np.ndarray], cfg: BertConfig) -> tuple
             raise ValueError(f"checkpoint is missing {e.args[0]} although config.json says "
                              f"{cfg.num_hidden_layers} layers") from None
     params: dict[str, Any] = {"embeddings": emb, "encoder": enc}
+    if cfg.scan_layers:
+        params = stack_layers(params, cfg.num_hidden_layers)
     missing = []
     if "pooler.dense.weight" in sd:
         params["pooler"] = _linear(sd, "pooler.dense")
@@ -240,11 +248,19 @@ def _host(x) -> np.ndarray:
 
 
 def params_to_state_dict(params: Mapping, cfg: BertConfig, head: str = "mlm") -> dict[str, np.ndarray]:
-    """Our parameter tree -> HF tensors for ``BertForMaskedLM`` (``head="mlm"``) or ``BertModel``
-    (``head="none"``). Vocabulary padding is stripped."""
+    """Our parameter tree (unrolled, or scanned when ``cfg.scan_layers``) -> HF tensors for
+    ``BertForMaskedLM`` (``head="mlm"``) or ``BertModel`` (``head="none"``). Vocabulary padding is
+    stripped."""
     if head not in ("mlm", "none"):
         raise ValueError(f"head={head!r}: use 'mlm' (BertForMaskedLM) or 'none' (BertModel)")
     p = jax.tree.map(_host, nn.meta.unbox(dict(params)))
+    scanned = SCAN_NAME in p["encoder"]
+    if scanned != cfg.scan_layers:
+        raise ValueError(f"the parameter tree's encoder is {'scanned' if scanned else 'unrolled'} "
+                         f"(encoder/{SCAN_NAME if scanned else 'layer_N'}) but the model has "
+                         f"scan_layers={cfg.scan_layers}; pass the model these params belong to")
+    if scanned:
+        p = unstack_layers(p)
     v, h = cfg.vocab_size, cfg.hidden_size
     pre = "bert." if head == "mlm" else ""
     sd: dict[str, np.ndarray] = {}

@@ -44,6 +44,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
     ("mlp", "tensor"),
     ("position", None),
     ("type", None),
+    ("layers", None),                    # the stacked layer axis of a scanned encoder (scan_layers)
 )
 
 

@@ -15,6 +15,13 @@ Parameter tree (names mirror the Hugging Face checkpoint, see ``tacl_jax.hf``)::
     mlm_transform/{kernel,bias}, mlm_norm, mlm_bias [V_padded]    (when ``with_mlm_head``)
     nsp/{kernel,bias}                          (when ``with_nsp_head``)
 
+With ``scan_layers=True`` the encoder is one ``nn.scan`` over a single ``Layer`` (one compiled
+layer body instead of N copies: shorter compiles on deep models) and the per-layer subtrees
+``encoder/layer_{i}/...`` become one subtree ``encoder/layers/...`` whose every leaf has a leading
+layer axis of size ``num_hidden_layers`` (logical name ``layers``, never sharded), e.g.
+``encoder/layers/attention/query/kernel [N, H, heads, head_dim]``. ``stack_layers`` and
+``unstack_layers`` convert between the two layouts (``tacl_jax.hf`` reads and writes either).
+
 The MLM decoder is tied to the word embeddings, whose rows are padded to a multiple of
 ``vocab_multiple`` (128) so the vocabulary dimension shards and tiles evenly; the padded rows are
 never returned and never win a softmax.
@@ -29,11 +36,13 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tacl_jax.models.layers import Dense, LayerNorm, gelu, matmul
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 REMAT_POLICIES = ("none", "full", "save_dots")
+SCAN_NAME = "layers"   # the scanned encoder's subtree and its stacked axis' logical name
 
 
 def to_dtype(name: str | Any) -> Any:
@@ -70,6 +79,8 @@ class BertConfig:
     param_dtype: str = "float32"
     vocab_multiple: int = 128
     remat_policy: str = "none"
+    # One ``nn.scan`` over the layers (params ``encoder/layers/...`` stacked on a leading axis).
+    scan_layers: bool = False
 
     def __post_init__(self):
         if self.hidden_size % self.num_attention_heads:
@@ -77,6 +88,8 @@ class BertConfig:
                              f"num_attention_heads {self.num_attention_heads}")
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"remat_policy {self.remat_policy!r} is not one of {REMAT_POLICIES}")
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(f"scan_layers must be a bool, got {self.scan_layers!r}")
         to_dtype(self.dtype), to_dtype(self.param_dtype)
 
     @property
@@ -216,17 +229,79 @@ def _layer_class(policy: str):
 
 
 class Encoder(nn.Module):
+    """``num_hidden_layers`` layers, unrolled (``layer_{i}``) or, with ``scan_layers``, one
+    ``nn.scan`` over a single ``Layer`` (``layers``, params stacked on axis 0); the remat policy
+    wraps the layer body either way."""
+
     config: BertConfig
 
     @nn.compact
     def __call__(self, x, bias, deterministic: bool, output_hidden_states: bool):
         cls = _layer_class(self.config.remat_policy)
+        if self.config.scan_layers:
+            return self._scanned(cls, x, bias, deterministic, output_hidden_states)
         states = [x] if output_hidden_states else None
         for i in range(self.config.num_hidden_layers):
             x = cls(self.config, name=f"layer_{i}")(x, bias, deterministic)
             if output_hidden_states:
                 states.append(x)
         return x, (tuple(states) if output_hidden_states else None)
+
+    def _scanned(self, cls, x, bias, deterministic: bool, output_hidden_states: bool):
+        n = self.config.num_hidden_layers
+
+        def body(layer, carry, bias_):
+            y = layer(carry, bias_, deterministic)
+            return y, (y if output_hidden_states else None)
+
+        scan = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
+                       in_axes=(nn.broadcast,), length=n,
+                       metadata_params={nn.PARTITION_NAME: SCAN_NAME})
+        out, ys = scan(cls(self.config, name=SCAN_NAME), x, bias)
+        if not output_hidden_states:
+            return out, None
+        # ys [N, B, L, H]: layer i's output is ys[i]; the embeddings output comes first.
+        return out, (x,) + tuple(ys[i] for i in range(n))
+
+
+def stack_layers(params: dict, num_layers: int | None = None) -> dict:
+    """An unrolled parameter tree (``encoder/layer_{i}``) -> the scanned layout
+    (``encoder/layers``, every leaf stacked on a new leading axis). Pure; takes unboxed params
+    (plain arrays, not ``LogicallyPartitioned``); other subtrees are kept as they are; numpy in,
+    numpy out (``jnp`` arrays are stacked with ``jnp``). ``num_layers`` (default: as many as the
+    tree has) must match the tree. A tree already scanned is returned unchanged."""
+    enc = params["encoder"]
+    if SCAN_NAME in enc and not any(k.startswith("layer_") for k in enc):
+        return params
+    found = sorted(int(k[len("layer_"):]) for k in enc if k.startswith("layer_"))
+    n = len(found) if num_layers is None else int(num_layers)
+    if found != list(range(n)) or len(enc) != n:
+        raise ValueError(f"stack_layers: expected encoder/layer_0..layer_{n - 1}, found {sorted(enc)}")
+    layers = [enc[f"layer_{i}"] for i in range(n)]
+
+    def stack(*xs):
+        if all(isinstance(a, np.ndarray) for a in xs):
+            return np.stack(xs)
+        return jnp.stack(xs)
+    return {**params, "encoder": {SCAN_NAME: jax.tree.map(stack, *layers)}}
+
+
+def unstack_layers(params: dict) -> dict:
+    """The scanned layout (``encoder/layers``) -> the unrolled one (``encoder/layer_{i}``). Pure;
+    the inverse of ``stack_layers``."""
+    enc = params["encoder"]
+    if SCAN_NAME not in enc:
+        if any(k.startswith("layer_") for k in enc):
+            return params
+        raise ValueError(f"unstack_layers: no encoder/{SCAN_NAME} in the tree (found {sorted(enc)})")
+    if len(enc) != 1:
+        raise ValueError(f"unstack_layers: encoder has {sorted(enc)}; expected only {SCAN_NAME!r}")
+    stacked = enc[SCAN_NAME]
+    n = {int(x.shape[0]) for x in jax.tree.leaves(stacked)}
+    if len(n) != 1:
+        raise ValueError(f"unstack_layers: leaves of encoder/{SCAN_NAME} disagree on the layer count {sorted(n)}")
+    n = n.pop()
+    return {**params, "encoder": {f"layer_{i}": jax.tree.map(lambda a: a[i], stacked) for i in range(n)}}
 
 
 class BertModel(nn.Module):

@@ -41,6 +41,8 @@ class NonFiniteLossError(RuntimeError):
 def _bert_config(config, architecture: BertConfig | None) -> BertConfig:
     numerics = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype,
                     remat_policy=config.model.remat_policy, vocab_multiple=config.model.vocab_multiple,
+                    # .get: configs saved in checkpoints before the key existed (tacl_jax.convert)
+                    scan_layers=bool(config.model.get("scan_layers", False)),
                     hidden_dropout_prob=config.model.hidden_dropout_prob,
                     attention_probs_dropout_prob=config.model.attention_probs_dropout_prob,
                     with_nsp_head=bool(config.nsp), with_pooler=True, with_mlm_head=True)
@@ -60,7 +62,7 @@ def build_model(config) -> tuple[BertModel, dict | None]:
     """The student's module and, when ``init.hf_path`` is set, its pretrained params (numpy)."""
     if config.init.hf_path:
         cfg = _bert_config(config, hf.read_config(config.init.hf_path))
-        overrides = {f: getattr(cfg, f) for f in ("dtype", "param_dtype", "remat_policy", "vocab_multiple",
+        overrides = {f: getattr(cfg, f) for f in ("dtype", "param_dtype", "remat_policy", "scan_layers", "vocab_multiple",
                                                   "hidden_dropout_prob", "attention_probs_dropout_prob",
                                                   "with_nsp_head", "with_pooler", "with_mlm_head")}
         return hf.load(config.init.hf_path, seed=config.seed, **overrides)
