@@ -6,6 +6,8 @@ anything is compiled. Unknown keys are refused by ``ml_collections`` itself (con
 
 from __future__ import annotations
 
+import re
+
 import ml_collections
 
 from tacl_jax.data import config as data_config
@@ -32,6 +34,11 @@ def default_config() -> ml_collections.ConfigDict:
     c.export_at_end = True               # workdir/export/final: a BertForMaskedLM folder
     c.demo_fill_mask = ""                # after training: run this sentence through the export
     c.nsp = False                        # BERT's next-sentence objective (needs sentence-pair data)
+    # 'START,STOP' (e.g. '5,8'): a jax.profiler trace of the training steps that take the state from
+    # step START to step STOP (STOP-START steps: metrics.jsonl steps START+1..STOP; START >= 1 keeps
+    # compilation out), process 0 only, into workdir/profile/: *.xplane.pb for TensorBoard's Profile
+    # tab (xprof) and perfetto_trace.json.gz for ui.perfetto.dev. '' = off. See README "Profiling".
+    c.profile_steps = ""
 
     c.init = ml_collections.ConfigDict()
     c.init.hf_path = ""                  # Hugging Face BERT folder: student and teacher start here
@@ -124,6 +131,29 @@ def load_config_file(path: str) -> ml_collections.ConfigDict:
     return module.get_config()
 
 
+def parse_profile_steps(value: str, num_train_steps: int | None = None) -> tuple[int, int] | None:
+    """``config.profile_steps`` -> ``(START, STOP)``, or None when empty (off). A clear ValueError
+    for anything but two integers 0 <= START < STOP (<= num_train_steps when given)."""
+    text = "" if value is None else str(value).strip()
+    if not text:
+        return None
+    bound = f" <= num_train_steps ({num_train_steps})" if num_train_steps is not None else ""
+    usage = (f"; use 'START,STOP' with integers 0 <= START < STOP{bound}, e.g. --config.profile_steps=5,8 "
+             "traces the steps that take the state from step 5 to step 8 (3 steps); '' turns profiling off")
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) != 2 or not all(re.fullmatch(r"[+-]?[0-9]+", p) for p in parts):
+        raise ValueError(f"config.profile_steps={value!r} is not two integers 'START,STOP'" + usage)
+    start, stop = int(parts[0]), int(parts[1])
+    if start < 0:
+        raise ValueError(f"config.profile_steps={value!r}: START {start} is negative" + usage)
+    if stop <= start:
+        raise ValueError(f"config.profile_steps={value!r}: STOP {stop} must be greater than START {start}" + usage)
+    if num_train_steps is not None and stop > num_train_steps:
+        raise ValueError(f"config.profile_steps={value!r}: STOP {stop} is past the run's last step "
+                         f"(num_train_steps {num_train_steps})" + usage)
+    return start, stop
+
+
 def validate(c: ml_collections.ConfigDict) -> None:
     """Checks that need no devices. Device-dependent checks live in ``tacl_jax.train.loop``."""
     if c.objective not in OBJECTIVES:
@@ -141,6 +171,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
                          "(meaningful only for tests and benchmarks)")
     if c.global_batch_size <= 0 or c.num_train_steps <= 0 or c.max_len < 5:
         raise ValueError("global_batch_size and num_train_steps must be positive and max_len >= 5")
+    parse_profile_steps(c.get("profile_steps", ""), c.num_train_steps)
     if c.grad_accum_steps < 1 or c.global_batch_size % c.grad_accum_steps:
         raise ValueError(f"global_batch_size {c.global_batch_size} is not divisible by "
                          f"grad_accum_steps {c.grad_accum_steps}")

@@ -190,3 +190,39 @@ def test_unknown_config_key_is_refused_by_the_cli(tmp_path):
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert p.returncode != 0
     assert "learning_rat" in p.stderr and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_profile_steps_trace_the_window_and_bad_values_are_refused(tmp_path, caplog):
+    import gzip
+
+    for bad, match in [("3,1", "STOP 1 must be greater than START 3"), ("-1,2", "START -1 is negative"),
+                       ("a,b", "is not two integers"), ("2", "is not two integers"),
+                       ("1.5,3", "is not two integers"), ("1,99", "past the run's last step")]:
+        workdir = tmp_path / f"bad_{bad}"
+        with pytest.raises(ValueError, match=f"config.profile_steps=.*{match}"):
+            loop.train_and_evaluate(tiny_config(num_train_steps=4, profile_steps=bad), str(workdir))
+        assert not workdir.exists()   # refused before anything is written
+
+    config = tiny_config(num_train_steps=4, log_every=1, profile_steps="1,3", eval_at_end=False,
+                         export_at_end=False, **{"analysis.enabled": False})
+    with caplog.at_level("INFO", logger="tacl_jax.train.loop"):
+        out = loop.train_and_evaluate(config, str(tmp_path / "run"))
+    assert out["status"] == "finished" and int(out["state"].step) == 4
+    profile = tmp_path / "run" / "profile"
+    assert len(list(profile.rglob("*.xplane.pb"))) == 1, sorted(profile.rglob("*"))
+    perfetto, = profile.rglob("perfetto_trace.json.gz")
+    assert f"profile: training steps 2..3 (state step 1 -> 3) traced -> {profile}" in caplog.text
+    assert str(perfetto) in caplog.text and "ui.perfetto.dev" in caplog.text
+    events = json.loads(gzip.open(perfetto).read())["traceEvents"]
+    # The two profiled steps: two executions of the jitted step ...
+    runs = [e["args"]["run_id"] for e in events
+            if e.get("name") == "CommonPjRtLoadedExecutable::Execute (jit_train_step)"]
+    assert len(runs) == 2, sorted({e.get("name", "") for e in events if "train_step" in e.get("name", "")})
+    # ... and their XLA ops (fusions of the step's HLO module) in the trace, the last step's included:
+    # the trace waited for its device work.
+    ops = [e for e in events
+           if e.get("args", {}).get("hlo_module") == "jit_train_step" and "fusion" in e.get("name", "")]
+    assert set(runs) <= {e["args"]["run_id"] for e in ops}, (runs, len(ops))
+    # The one-step-late metrics are intact around the window.
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]

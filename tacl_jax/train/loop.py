@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import math
@@ -192,13 +193,16 @@ def local_dir(workdir: str) -> str:
 
 
 def _copy_tree(src: str, dst: str) -> None:
-    """Local folder -> remote folder (``gs://``) through etils/epath."""
+    """Local folder -> remote folder (``gs://``) through etils/epath, subfolders included."""
     from etils import epath
 
     dst_path = epath.Path(dst)
     dst_path.mkdir(parents=True, exist_ok=True)
     for f in os.listdir(src):
-        (dst_path / f).write_bytes(open(os.path.join(src, f), "rb").read())
+        if os.path.isdir(os.path.join(src, f)):
+            _copy_tree(os.path.join(src, f), str(dst_path / f))
+        else:
+            (dst_path / f).write_bytes(open(os.path.join(src, f), "rb").read())
 
 
 class MetricWriter:
@@ -254,6 +258,85 @@ class MetricWriter:
 def _progress_bar(step: int, total: int, width: int = 20) -> str:
     done = int(width * step / max(total, 1))
     return "[" + "#" * done + "." * (width - done) + "]"
+
+
+# ----------------------------------------------------------------------------- profiling
+
+class _Profiler:
+    """``config.profile_steps='START,STOP'``: a ``jax.profiler`` trace of the steps that take the
+    state from step START to step STOP, on process 0, in ``workdir/profile/`` (written to the local
+    mirror and copied for a remote workdir). The trace starts before step START is dispatched and
+    stops once the last profiled step's outputs are ready (so its device work is in the trace) —
+    at STOP, or earlier when the run ends, pauses or is preempted inside the window (``last``);
+    ``close()`` stops a trace an exception left open. A resumed run traces what is left of the window."""
+
+    def __init__(self, config, workdir: str, start_step: int):
+        window = config_lib.parse_profile_steps(config.get("profile_steps", ""))
+        self.window = window if jax.process_index() == 0 else None
+        self.workdir, self.local = workdir, os.path.join(local_dir(workdir), "profile")
+        self.active, self.first = False, None
+        if self.window is not None and start_step >= self.window[1]:
+            log.info("profile_steps=%r: this run starts at step %d, after the window; no trace",
+                     config.profile_steps, start_step)
+            self.window = None
+
+    def before_step(self, step: int) -> None:
+        if self.window is None or self.active or step < self.window[0]:
+            return
+        os.makedirs(self.local, exist_ok=True)
+        try:
+            jax.profiler.start_trace(self.local, create_perfetto_trace=True)
+        except RuntimeError:  # e.g. another trace is running in this process: train on, untraced
+            log.exception("profile: could not start the trace; the run goes on without it")
+            self.window = None
+            return
+        self.active, self.first = True, step
+
+    def after_step(self, done: int, outputs, last: bool) -> None:
+        if self.active and (done >= self.window[1] or last):
+            self.stop(done, outputs)
+
+    def close(self) -> None:
+        """After an exception inside the window: stop the trace, never masking that exception."""
+        if self.active:
+            try:
+                self.stop(None, None)
+            except Exception:  # pylint: disable=broad-except
+                log.exception("profile: saving the interrupted trace failed")
+
+    def stop(self, done: int | None, outputs) -> None:
+        self.active, self.window = False, None
+        try:
+            if outputs is not None:
+                jax.block_until_ready(outputs)   # the profiled steps' device work, inside the trace
+        finally:
+            stopped = self._stop_trace()
+        if not stopped:
+            return
+        target = os.path.join(self.workdir, "profile")
+        if target != self.local:
+            try:
+                _copy_tree(self.local, target)
+            except Exception:  # pylint: disable=broad-except
+                log.exception("profile: copying the trace to %s failed; it is in %s", target, self.local)
+                target = self.local
+        perfetto = sorted(glob.glob(os.path.join(self.local, "plugins", "profile", "*", "perfetto_trace.json.gz")),
+                          key=os.path.getmtime)
+        perfetto_path = perfetto[-1].replace(self.local, target, 1) if perfetto else "(not written)"
+        steps = (f"training steps {self.first + 1}..{done} (state step {self.first} -> {done})" if done is not None
+                 else f"training from state step {self.first} until an error")
+        log.info("profile: %s traced -> %s; view with `tensorboard --logdir %s` (Profile tab; pip install "
+                 "tensorboard-plugin-profile) or `xprof --logdir %s`, or open %s at https://ui.perfetto.dev",
+                 steps, target, target, target, perfetto_path)
+
+    @staticmethod
+    def _stop_trace() -> bool:
+        try:
+            jax.profiler.stop_trace()
+            return True
+        except Exception:  # pylint: disable=broad-except  # a failed trace must not end training
+            log.exception("profile: stopping the trace failed; the run goes on")
+            return False
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -421,11 +504,13 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     preempt = checkpoint.PreemptionFlag().install()
     pending, last, status = None, {}, "finished"
     timer = _Timer(start)
+    profiler = _Profiler(config, workdir, start)
     step = start
     try:
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
             for step in range(start, config.num_train_steps):
                 batch = parallel.global_batch(next(train_iter), mesh)
+                profiler.before_step(step)
                 state, metrics = p_step(state, teacher, batch, rng)
                 if step == start:
                     timer.compiled()
@@ -435,6 +520,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                 done = step + 1
                 preempted = preempt.is_set() or ckpt.reached_preemption(done)
                 stop_here = config.steps_per_run > 0 and done - start >= config.steps_per_run
+                profiler.after_step(done, (state, metrics),
+                                    last=preempted or stop_here or done == config.num_train_steps)
                 if preempted or stop_here or ckpt.should_save(done) or done == config.num_train_steps:
                     ckpt.save(done, state, train_iter.get_state(), config, force=True)
                 if config.hf_export_every > 0 and done % config.hf_export_every == 0:
@@ -461,6 +548,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
             if status == "finished" and config.export_at_end:
                 _export(export_model, export_params(state.params), workdir, "final", tok_dir)
     finally:
+        profiler.close()
         ckpt.wait()
         ckpt.close()
         preempt.uninstall()
