@@ -38,7 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tacl_jax.models.layers import Dense, LayerNorm, gelu, matmul
+from tacl_jax.models.attention import dot_product_attention
+from tacl_jax.models.layers import Dense, LayerNorm, gelu, tied_decoder
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 REMAT_POLICIES = ("none", "full", "save_dots")
@@ -156,13 +157,16 @@ class Embeddings(nn.Module):
         x = nn.Dropout(cfg.hidden_dropout_prob)(x, deterministic=deterministic)
         return nn.with_logical_constraint(x, ("activation_batch", "activation_length", "activation_embed"))
 
-    def attend(self, hidden: jax.Array) -> jax.Array:
-        """Tied decoder: ``hidden [..., H] -> logits [..., V_padded]`` (f32) with the word embeddings."""
+    def attend(self, hidden: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+        """Tied decoder: ``hidden [..., H] (+ bias [V_padded]) -> logits [..., V_padded]`` (f32) with
+        the word embeddings (``layers.tied_decoder``: no transposed copy of the table)."""
         cfg = self.config
         table = self.variables["params"]["word_embeddings"]["embedding"]
         table = nn.meta.unbox(table) if isinstance(table, nn.meta.AxisMetadata) else table
+        if bias is None:
+            bias = jnp.zeros((table.shape[0],), jnp.float32)
         h = hidden.reshape(-1, hidden.shape[-1])
-        logits = matmul(h, table.T, to_dtype(cfg.dtype))
+        logits = tied_decoder(h, table, bias, to_dtype(cfg.dtype))
         return logits.reshape(hidden.shape[:-1] + (table.shape[0],))
 
 
@@ -183,13 +187,8 @@ class SelfAttention(nn.Module):
 
         q, k, v = proj("query"), proj("key"), proj("value")
         q = nn.with_logical_constraint(q, ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
-        # Scores in f32 (softmax stability); operands in the compute dtype.
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-        scores = scores * (1.0 / hd ** 0.5) + bias
-        probs = jax.nn.softmax(scores, axis=-1)
-        probs = nn.Dropout(cfg.attention_probs_dropout_prob)(probs, deterministic=deterministic)
-        ctx = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(dtype), v,
-                         preferred_element_type=jnp.float32).astype(dtype)
+        drop = nn.Dropout(cfg.attention_probs_dropout_prob)
+        ctx = dot_product_attention(q, k, v, bias, dropout=lambda p: drop(p, deterministic=deterministic))
         out = Dense((nh, hd), (h,), ("heads", "kv", "embed"), dtype=dtype, param_dtype=pdtype,
                     kernel_init=init, name="output")(ctx)
         return out
@@ -312,6 +311,7 @@ class BertModel(nn.Module):
       * ``heads=True``: MLM logits (at every position, or only at ``mlm_positions``, which is
         ~15% of the vocabulary-projection cost) and NSP logits when the model has the heads.
       * ``heads=False``: the encoder only (what the frozen teacher needs).
+      * ``padded_vocab=True``: MLM logits over the padded vocabulary (see ``mlm_logits``).
     """
 
     config: BertConfig
@@ -336,7 +336,8 @@ class BertModel(nn.Module):
                              param_dtype=pdtype, kernel_init=init)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, *, deterministic: bool = True,
-                 output_hidden_states: bool = False, mlm_positions=None, heads: bool = True) -> BertOutput:
+                 output_hidden_states: bool = False, mlm_positions=None, heads: bool = True,
+                 padded_vocab: bool = False) -> BertOutput:
         cfg = self.config
         if attention_mask is None:
             attention_mask = jnp.ones_like(input_ids)
@@ -352,7 +353,7 @@ class BertModel(nn.Module):
         if not heads:
             return out
         if cfg.with_mlm_head:
-            out = out.replace(mlm_logits=self.mlm_logits(x, mlm_positions))
+            out = out.replace(mlm_logits=self.mlm_logits(x, mlm_positions, padded_vocab))
         if cfg.with_pooler or cfg.with_nsp_head:
             pooled = jnp.tanh(self.pooler(x[:, 0]).astype(jnp.float32))
             out = out.replace(pooled=pooled)
@@ -360,12 +361,26 @@ class BertModel(nn.Module):
                 out = out.replace(nsp_logits=self.nsp(pooled))
         return out
 
-    def mlm_logits(self, hidden: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        """``hidden [B, L, H]`` -> f32 logits ``[B, L, V]``, or ``[B, P, V]`` at ``positions [B, P]``."""
+    def mlm_logits(self, hidden: jax.Array, positions: jax.Array | None = None,
+                   padded_vocab: bool = False) -> jax.Array:
+        """``hidden [B, L, H]`` -> f32 logits ``[B, L, V]``, or ``[B, P, V]`` at ``positions [B, P]``.
+
+        ``padded_vocab=True`` returns all ``V_padded`` columns with the padding ones at -1e9 (they
+        never win a softmax or an argmax): what the training loss takes, because slicing the
+        columns off costs a copy of the logits forward and a padded copy of their gradient.
+        """
+        cfg = self.config
         if positions is not None:
             hidden = jnp.take_along_axis(hidden, positions[..., None].astype(jnp.int32), axis=1)
         h = gelu(self.mlm_transform(hidden))
         h = self.mlm_norm(h)
-        logits = self.embeddings.attend(h) + self.mlm_bias.astype(jnp.float32)
-        # Drop the padding rows of the vocabulary: they can never be predicted.
-        return logits[..., :self.config.vocab_size]
+        bias, padded = self.mlm_bias.astype(jnp.float32), cfg.padded_vocab_size != cfg.vocab_size
+        if padded and padded_vocab:
+            # Through the bias ([V_padded], not the [.., V_padded] logits): the padding columns
+            # get -1e9 inside the decoder's matmul epilogue, and their bias no gradient.
+            bias = jnp.where(jnp.arange(bias.shape[0]) < cfg.vocab_size, bias, jnp.float32(-1e9))
+        logits = self.embeddings.attend(h, bias)
+        if padded and not padded_vocab:
+            # Drop the padding rows of the vocabulary: they can never be predicted.
+            return logits[..., :cfg.vocab_size]
+        return logits

@@ -125,8 +125,8 @@ class CocoLM:
         """Corrective LM ``h·Eᵀ + b`` at ``positions [B, P]`` -> ``[B, P, V]`` f32 (V unpadded)."""
         h = jnp.take_along_axis(hidden, positions[..., None].astype(jnp.int32), axis=1)
         main = params["main"]
-        logits = self.main.apply({"params": main}, h, method=lambda m, x: m.embeddings.attend(x))
-        logits = logits + main["mlm_bias"].astype(jnp.float32)
+        logits = self.main.apply({"params": main}, h, main["mlm_bias"],
+                                 method=lambda m, x, b: m.embeddings.attend(x, b))
         return logits[..., :self.config.vocab_size]
 
     def binary_logits(self, params: dict, hidden: jax.Array) -> jax.Array:

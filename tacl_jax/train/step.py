@@ -80,7 +80,8 @@ def make_loss_and_grads(model: BertModel, step_cfg: StepConfig,
                                     rngs={"dropout": d_teacher})
             teacher_hidden = jax.lax.stop_gradient(t.last_hidden_state)
         out = model.apply({"params": params}, mb["masked_ids"], mb["attention_mask"], mb["token_type_ids"],
-                          deterministic=False, mlm_positions=mb["positions"], rngs={"dropout": d_student})
+                          deterministic=False, mlm_positions=mb["positions"], padded_vocab=True,
+                          rngs={"dropout": d_student})
         sums = objective_sums(
             mlm_logits=out.mlm_logits, masked=_masked_from(mb), student_hidden=out.last_hidden_state,
             teacher_hidden=teacher_hidden, key_mask=mb["attention_mask"] if sc.mask_pad_keys else None,
