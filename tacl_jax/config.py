@@ -10,6 +10,7 @@ import re
 
 import ml_collections
 
+from tacl_jax import precision
 from tacl_jax.data import config as data_config
 from tacl_jax.models import REMAT_POLICIES
 from tacl_jax.objectives.coco_lm import coco_lm_config
@@ -51,7 +52,9 @@ def default_config() -> ml_collections.ConfigDict:
         intermediate_size=3072, max_position_embeddings=512, type_vocab_size=2))
 
     c.model = ml_collections.ConfigDict()
-    c.model.dtype = "bfloat16"           # compute dtype: 'bfloat16' | 'float32'
+    # compute dtype: 'auto' (bf16 on TPU/GPU and CPUs with bf16 units, else f32; tacl_jax.precision)
+    # | 'bfloat16' | 'float32'
+    c.model.dtype = "auto"
     c.model.param_dtype = "float32"
     c.model.remat_policy = "none"        # 'none' | 'full' | 'save_dots'
     c.model.scan_layers = False          # one nn.scan over the layers: params encoder/layers/... [N, ...]
@@ -158,6 +161,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
     """Checks that need no devices. Device-dependent checks live in ``tacl_jax.train.loop``."""
     if c.objective not in OBJECTIVES:
         raise ValueError(f"config.objective={c.objective!r}: use one of {OBJECTIVES}")
+    if c.model.dtype not in precision.CHOICES:
+        raise ValueError(f"config.model.dtype={c.model.dtype!r}: use one of {precision.CHOICES}")
     if c.model.remat_policy not in REMAT_POLICIES:
         raise ValueError(f"config.model.remat_policy={c.model.remat_policy!r}: use one of {REMAT_POLICIES}")
     if not isinstance(c.model.scan_layers, bool):

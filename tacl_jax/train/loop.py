@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tacl_jax import checkpoint, hf, parallel, tokens
+from tacl_jax import checkpoint, hf, parallel, precision, tokens
 from tacl_jax import config as config_lib
 from tacl_jax import data as data_lib
 from tacl_jax.flops import peak_flops_per_device, step_flops
@@ -40,7 +40,7 @@ class NonFiniteLossError(RuntimeError):
 # ----------------------------------------------------------------------------- model
 
 def _bert_config(config, architecture: BertConfig | None) -> BertConfig:
-    numerics = dict(dtype=config.model.dtype, param_dtype=config.model.param_dtype,
+    numerics = dict(dtype=precision.resolve_compute_dtype(config.model.dtype), param_dtype=config.model.param_dtype,
                     remat_policy=config.model.remat_policy, vocab_multiple=config.model.vocab_multiple,
                     # .get: configs saved in checkpoints before the key existed (tacl_jax.convert)
                     scan_layers=bool(config.model.get("scan_layers", False)),
