@@ -73,6 +73,9 @@ PEER = os.path.normpath(os.path.join(REPO, "..", "shared", "bench", "torch_tacl.
 SIZES = {
     "small": dict(layers=4, hidden=256, heads=4, intermediate=1024, seq=128, batch=16),
     "base": dict(layers=12, hidden=768, heads=12, intermediate=3072, seq=128, batch=8),
+    # For the remat row (issue 6): long sequences, where activations (the L x L attention
+    # probabilities above all) outweigh the parameter-sized buffers.
+    "small_l512": dict(layers=4, hidden=256, heads=4, intermediate=1024, seq=512, batch=32),
 }
 VOCAB = 30522
 PRECISIONS = {"fp32": "float32", "default": "auto", "bf16": "bfloat16"}
@@ -82,7 +85,9 @@ TARGETS = {"small_fp32_ratio": 2.5, "base_fp32_ratio": 2.2, "small_default_ratio
 ABLATIONS = {
     "default": {},
     "full_vocab_head": {"full_vocab_head": True},      # MLM logits at every position, then gathered
-    "plain_autodiff": {"plain_autodiff": True},        # no bf16-cotangent custom_vjp (bf16 only)
+    "plain_autodiff": {"plain_autodiff": True},        # autodiff through dense/decoder (no custom_vjp)
+    "jax_gelu": {"jax_gelu": True},                    # jax.nn.gelu (erfc) instead of the erf form
+    "autodiff_xent": {"autodiff_xent": True},          # logsumexp + gather + argmax, autodiff
     "teacher_bf16_params": {"teacher_dtype": "bfloat16"},
     "prng_rbg": {"prng": "rbg"},
     "prng_unsafe_rbg": {"prng": "unsafe_rbg"},
@@ -165,10 +170,37 @@ def _build_ours(args):
     if args.plain_autodiff:
         from tacl_jax.models import layers
 
-        def plain(dtype_name):
+        # Ablation only: plain autodiff through the dense layers and the tied decoder (bias
+        # gradients by reduce_sum, transposes as XLA chooses, f32 cotangents in bf16 mode).
+        def cast(dtype_name):
             dt = jnp.dtype(dtype_name)
-            return lambda x, w: jnp.dot(x.astype(dt), w.astype(dt), preferred_element_type=jnp.float32)
-        layers._matmul_for = plain  # ablation only: plain autodiff through the matmul
+            return dt, lambda a: a.astype(dt)
+
+        def plain(dtype_name):
+            dt, c = cast(dtype_name)
+            return lambda x, w: jnp.dot(c(x), c(w), preferred_element_type=jnp.float32)
+
+        def plain_bias(dtype_name):
+            dt, c = cast(dtype_name)
+            return lambda x, w, b: jnp.dot(c(x), c(w), preferred_element_type=jnp.float32) + b.astype(jnp.float32)
+
+        def plain_decoder(dtype_name):
+            dt, c = cast(dtype_name)
+            return lambda h, t, b: jnp.dot(c(h), c(t).T, preferred_element_type=jnp.float32) + b.astype(jnp.float32)
+        layers._matmul_for, layers._matmul_bias_for, layers._decoder_for = plain, plain_bias, plain_decoder
+    if args.jax_gelu:
+        from tacl_jax.models import bert
+
+        bert.gelu = lambda x: jax.nn.gelu(x.astype(jnp.float32), approximate=False).astype(x.dtype)
+    if args.autodiff_xent:
+        from tacl_jax.objectives import combined
+
+        def xent(logits, targets):
+            logits = logits.astype(jnp.float32)
+            logz = jax.nn.logsumexp(logits, axis=-1)
+            gold = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+            return logz - gold, (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+        combined.mlm_per_position = xent
 
     sz = SIZES[args.size]
     c = config_lib.default_config()
@@ -514,8 +546,6 @@ def main_ablate(args) -> dict:
             for prec in precisions:
                 order = names if r % 2 == 0 else list(reversed(names))
                 for name in order:
-                    if name == "plain_autodiff" and prec == "fp32":
-                        continue
                     o = _run(_ours_cmd(size, prec, args, **ABLATIONS[name]), args.timeout)
                     res.setdefault(f"{size}_{prec}", {}).setdefault(name, []).append(o)
                     print(f"ablate r{r} {size} {prec} {name}: {o.get('tokens_per_s', o.get('error'))}",
@@ -596,6 +626,8 @@ def parse_args(argv=None):
     p.add_argument("--no_dropout", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--full_vocab_head", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--plain_autodiff", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--jax_gelu", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--autodiff_xent", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--profile_dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--matmul_n", type=int, default=2048, help=argparse.SUPPRESS)
     p.add_argument("--matmul_reps", type=int, default=5, help=argparse.SUPPRESS)

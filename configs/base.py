@@ -7,10 +7,12 @@
 Student and teacher start from bert-base-uncased; L = 256, global batch 256, 150k steps, AdamW lr
 1e-4, no weight decay, 10% linear warm-up then linear decay, clip 1.0, τ = 0.01; MLM + TaCL, NSP
 off (packed full-sentence sequences). The paper trained fp32 on 8×V100 for ~40 h; here the
-default compute is bf16 (``--config.model.dtype=float32`` for the paper's numerics).
+default compute is ``model.dtype='auto'``: bf16 on TPUs/GPUs (f32 params, accumulation and
+losses), f32 on CPUs without bf16 units (``--config.model.dtype=float32`` for the paper's numerics
+everywhere).
 Hardware: a TPU v4-8 or one 8×GPU host. Expected result (authors' README): SQuAD 1.1 EM/F1
-80.8/88.5 → 81.6/89.0, GLUE average 79.6 → 81.2 after fine-tuning; during pre-training
-tacl_acc rises towards 1 within a few thousand steps while mlm_acc stays near BERT's (~0.6+).
+80.8/88.5 → 81.6/89.0, GLUE average 79.6 → 81.2 after fine-tuning. The full recipe has not
+been run with this code yet (the 100-step demo's numbers are in ``configs/demo.py``).
 Throughput on such hardware: not yet measured.
 """
 
