@@ -125,7 +125,9 @@ def _scan_config(scan: bool, policy: str):
     return c
 
 
-@pytest.mark.parametrize("policy", ["none", "full", "save_dots"])
+# 'save_dots' is left to test_remat_policy_wraps_the_scanned_layer_body (which policy wraps the
+# scanned body) and test_train's remat equality (what each policy computes): ~1 min of CI less.
+@pytest.mark.parametrize("policy", ["none", "full"])
 def test_train_loss_and_grads_equal_unrolled(policy):
     mesh = dict(data=2, fsdp=2, tensor=2)     # the stacked params sharded over fsdp and tensor
     ref = _setup(_scan_config(False, policy), mesh, jax.devices())

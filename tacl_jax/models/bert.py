@@ -109,8 +109,9 @@ class BertConfig:
 @flax.struct.dataclass
 class BertOutput:
     """``last_hidden_state [B, L, H]``; ``mlm_logits`` ``[B, L, V]`` or ``[B, P, V]`` at gathered
-    positions (V = the unpadded vocabulary; f32); ``hidden_states``: embeddings output then every
-    layer, each ``[B, L, H]`` (when asked); ``pooled [B, H]``; ``nsp_logits [B, 2]``."""
+    positions (V = the unpadded vocabulary, ``V_padded`` with ``padded_vocab=True``; f32);
+    ``hidden_states``: embeddings output then every layer, each ``[B, L, H]`` (when asked);
+    ``pooled [B, H]``; ``nsp_logits [B, 2]``."""
 
     last_hidden_state: jax.Array
     mlm_logits: jax.Array | None = None
