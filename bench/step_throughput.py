@@ -4,6 +4,7 @@
     python bench/step_throughput.py --sizes=small --rounds=1 --steps=6
     python bench/step_throughput.py --ablate --sizes=small   # what each lever contributes
     python bench/step_throughput.py --breakdown --sizes=base --precisions=bf16   # where time goes
+    python bench/step_throughput.py --remat --sizes=small_l512 --precisions=fp32 --steps=1 --warmup=1
 
 What is compared. Our step is ``tacl_jax.train.step.make_train_step`` built as the training loop
 builds it (``init.from_scratch=True``, ``objective='tacl'``, NSP off, frozen head-less teacher in
@@ -216,6 +217,7 @@ def _build_ours(args):
     c.model.dtype = PRECISIONS[args.precision]
     c.tacl.teacher_param_dtype = args.teacher_dtype
     c.model.remat_policy = args.remat_policy
+    c.model.scan_layers = bool(args.scan_layers)
     if args.no_dropout:
         c.model.hidden_dropout_prob = 0.0
         c.model.attention_probs_dropout_prob = 0.0
@@ -256,8 +258,8 @@ def _full_head_model(model):
     from tacl_jax.models import BertModel
 
     class FullHeadBert(BertModel):
-        def mlm_logits(self, hidden, positions=None):
-            logits = super().mlm_logits(hidden, None)
+        def mlm_logits(self, hidden, positions=None, padded_vocab=False):
+            logits = super().mlm_logits(hidden, None, padded_vocab)
             if positions is None:
                 return logits
             return jnp.take_along_axis(logits, positions[..., None].astype(jnp.int32), axis=1)
@@ -565,15 +567,17 @@ def main_ablate(args) -> dict:
 
 
 def main_remat(args) -> dict:
-    """Peak memory and speed of our step per rematerialisation policy (issue 6's bench row), each
-    in its own process so that ``ru_maxrss`` is the step's own."""
+    """Peak memory and speed of our step per rematerialisation policy (issue 6's bench row), with
+    the layers unrolled and scanned, each in its own process so that ``ru_maxrss`` is the step's
+    own. On XLA:CPU remat saves memory only with ``scan_layers``: unrolled, its scheduler runs the
+    recomputations early and keeps them all."""
     out = dict(bench="step_throughput_remat", device="cpu", cpu=cpu_info())
     for size in args.sizes.split(","):
-        for prec in args.precisions.split(","):
+        for prec, scan in [(p, s) for p in args.precisions.split(",") for s in (False, True)]:
             base = None
             for policy in ("none", "full", "save_dots"):
-                r = _run(_ours_cmd(size, prec, args, remat_policy=policy), args.timeout)
-                key = f"{size}_{prec}_remat_{policy}"
+                r = _run(_ours_cmd(size, prec, args, remat_policy=policy, scan_layers=scan), args.timeout)
+                key = f"{size}_{prec}{'_scan' if scan else ''}_remat_{policy}"
                 out[f"{key}_peak_rss_mb"] = r.get("peak_rss_mb")
                 out[f"{key}_tokens_per_s"] = r.get("tokens_per_s")
                 out[f"{key}_xla_temp_mb"] = r.get("xla_temp_mb")
@@ -616,6 +620,7 @@ def parse_args(argv=None):
     p.add_argument("--breakdown", action="store_true", help="time the parts of our step")
     p.add_argument("--remat", action="store_true", help="peak memory per model.remat_policy (none/full/save_dots)")
     p.add_argument("--remat_policy", default="none", help=argparse.SUPPRESS)
+    p.add_argument("--scan_layers", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--coco_lm", action="store_true", help="add COCO-LM step rows at `small` (bench/coco_lm_step.py)")
     # worker-only
     p.add_argument("--worker", choices=("ours", "matmul", "breakdown"), default=None, help=argparse.SUPPRESS)

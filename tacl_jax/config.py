@@ -56,7 +56,7 @@ def default_config() -> ml_collections.ConfigDict:
     # | 'bfloat16' | 'float32'
     c.model.dtype = "auto"
     c.model.param_dtype = "float32"
-    c.model.remat_policy = "none"        # 'none' | 'full' | 'save_dots'
+    c.model.remat_policy = "none"        # 'none' | 'full' | 'save_dots' (saves memory with scan_layers=True)
     c.model.scan_layers = False          # one nn.scan over the layers: params encoder/layers/... [N, ...]
     c.model.hidden_dropout_prob = 0.1
     c.model.attention_probs_dropout_prob = 0.1
