@@ -6,9 +6,10 @@ Why custom backward passes (``jax.custom_vjp``), each measured on a 2-core CPU (
 * **Bias gradients as matmuls.** Autodiff reduces the bias cotangent with ``reduce_sum`` over the
   rows; XLA:CPU runs that reduction ~40× slower than the same sum written as ``ones[M] · g[M, N]``
   (85 ms vs 2 ms for the MLM decoder's ``[304, 30592]`` cotangent at the ``small`` bench size).
-* **No explicit transposes.** ``dx = g · Wᵀ`` and ``dW = xᵀ · g`` are written as ``dot_general``
-  contractions; with bf16 operands XLA:CPU otherwise upcasts a matmul whose operand is a
-  transpose and runs it in f32.
+* **No transposed copies.** ``dx = g · Wᵀ``, ``dW = xᵀ · g`` and the tied decoder's ``h · Eᵀ`` are
+  written as ``dot_general`` contractions over the right dimensions. (XLA:CPU still runs a bf16
+  contraction over the rows, the ``dW`` form, in f32; on CPUs without bf16 units f32 is the faster
+  choice anyway, see ``tacl_jax.precision``.)
 * **Backward matmuls in the compute dtype.** With bf16 inputs and an f32 result
   (``preferred_element_type``), plain autodiff produces f32 cotangents, so the two backward matmuls
   (2/3 of the FLOPs) would run in f32. The cotangent is cast to the compute dtype first, keeping f32
