@@ -32,7 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from step_throughput import PRECISIONS, SIZES, VOCAB  # noqa: E402  pylint: disable=wrong-import-position
+from step_throughput import PRECISIONS, SIZES, VOCAB, worker_matmul  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def coco_lm_row(size: str = "small", precision: str = "bf16", steps: int = 10, warmup: int = 2,
@@ -117,23 +117,10 @@ def coco_lm_row(size: str = "small", precision: str = "bf16", steps: int = 10, w
 
 
 def _matmul_peaks(n: int = 2048, reps: int = 5) -> dict[str, float]:
-    """Best-of-``reps`` FLOP/s of a jitted n³ dot, f32 and bf16 inputs with f32 accumulation."""
-    import jax
-    import jax.numpy as jnp
-
-    out = {}
-    for name, dt in (("f32", jnp.float32), ("bf16", jnp.bfloat16)):
-        a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dt)
-        b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dt)
-        f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
-        f(a, b).block_until_ready()
-        best = float("inf")
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            f(a, b).block_until_ready()
-            best = min(best, time.perf_counter() - t0)
-        out[name] = 2.0 * n ** 3 / best
-    return out
+    """Best-of-``reps`` FLOP/s of a jitted n³ dot, f32 and bf16 inputs with f32 accumulation
+    (``step_throughput``'s measurement)."""
+    res = worker_matmul(argparse.Namespace(matmul_n=n, matmul_reps=reps))
+    return {name: res[f"{name}_gflops_best"] * 1e9 for name in ("f32", "bf16")}
 
 
 def main(argv=None) -> dict:

@@ -2,8 +2,6 @@
 computes given the same (restacked) weights: forward, train loss and gradients under every remat
 policy, the Hugging Face round trip, and a checkpointed run of the real loop."""
 
-import json
-import pathlib
 
 import flax.linen as nn
 import jax
@@ -17,6 +15,7 @@ from tacl_jax.models import BertConfig, BertModel, stack_layers, unstack_layers
 from tacl_jax.train import loop
 from tacl_jax.train.step import make_loss_and_grads
 
+from test_checkpoint import _rows
 from test_train import _assert_trees_close, _batch, _setup, tiny_config
 
 TINY = dict(vocab_size=100, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64,
@@ -216,13 +215,6 @@ def test_hf_export_and_load_with_scanned_layers(tmp_path):
 
 # ----------------------------------------------------------------------------- the loop
 
-def _rows(workdir):
-    out = {}
-    for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if "loss" in r:
-            out[r["step"]] = r
-    return out
 
 
 def test_loop_with_scan_checkpoints_resumes_and_matches_unrolled_run(tmp_path):
