@@ -16,6 +16,11 @@ synthetic batches (``[CLS] A [SEP] B [SEP]``, 10% short rows, bert-base-uncased 
 sizes, and count ``tokens/s = batch · seq · timed_steps / Σ step time`` (padding included), each
 step timed to completion (ours: ``block_until_ready``; the peer: ``loss.item()``).
 
+Allocator. Every measured process, ours and the peer's, runs with the same glibc malloc:
+``--malloc=tuned`` (default) = ``tacl_jax.hostenv.TUNABLES``, what ``python -m tacl_jax.main``
+runs with (big buffers reused across steps instead of re-``mmap``-ed and page-faulted in every
+step), ``--malloc=system`` = glibc's defaults. ``--ablate`` has a ``system_malloc`` row.
+
 Every measurement runs in its own subprocess, so peak memory is fair: each reports its own
 ``getrusage(RUSAGE_SELF).ru_maxrss`` (the peer does the same), i.e. the most the process ever held,
 imports and compilation included. Per round the order
@@ -93,7 +98,11 @@ ABLATIONS = {
     "prng_rbg": {"prng": "rbg"},
     "prng_unsafe_rbg": {"prng": "unsafe_rbg"},
     "no_dropout": {"no_dropout": True},
+    # The process's allocator, not a flag of the step: glibc's defaults instead of the tuned
+    # malloc (tacl_jax.hostenv) that every other row, the peer's included, runs with.
+    "system_malloc": {"_malloc": "system"},
 }
+MALLOC = {"malloc": "tuned"}   # set from --malloc in main(); read by _worker_env / _peer_env
 
 
 # ----------------------------------------------------------------------------- FLOPs
@@ -118,8 +127,22 @@ def model_flops_per_token(layers: int, hidden: int, intermediate: int, seq: int,
 
 # ----------------------------------------------------------------------------- workers (subprocesses)
 
-def _worker_env() -> dict:
-    env = dict(os.environ)
+def _malloc_env(env: dict, malloc: str | None = None) -> dict:
+    """``env`` with the allocator of ``--malloc``: 'tuned' = tacl_jax.hostenv's glibc tunables
+    (what ``python -m tacl_jax.main`` runs with), 'system' = glibc's defaults. Applied to our
+    workers and to the peer alike, so the comparison is of the steps, not of the allocators."""
+    malloc = malloc or MALLOC["malloc"]
+    env = {k: v for k, v in env.items() if k != "GLIBC_TUNABLES"}
+    if malloc == "tuned":
+        sys.path.insert(0, REPO)
+        from tacl_jax.hostenv import TUNABLES
+
+        env["GLIBC_TUNABLES"] = TUNABLES
+    return env
+
+
+def _worker_env(malloc: str | None = None) -> dict:
+    env = _malloc_env(dict(os.environ), malloc)
     env.setdefault("JAX_PLATFORMS", "cpu")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     # One CPU device (a test runner may have forced 8 fake ones).
@@ -398,6 +421,7 @@ def _run(cmd: list[str], timeout: float, env=None) -> dict:
 
 
 def _ours_cmd(size, precision, args, **variant) -> list[str]:
+    variant = {k: v for k, v in variant.items() if not k.startswith("_")}   # env-level, not flags
     cmd = [sys.executable, os.path.abspath(__file__), "--worker=ours", f"--size={size}", f"--precision={precision}",
            f"--steps={args.steps}", f"--warmup={args.warmup}"]
     for k, v in variant.items():
@@ -417,7 +441,7 @@ def _peer_cmd(size, args) -> list[str]:
 
 
 def _peer_env(args) -> dict:
-    env = dict(os.environ)
+    env = _malloc_env(dict(os.environ))
     env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
     return env
 
@@ -531,7 +555,7 @@ def main_compare(args) -> dict:
                       "error"):
                 if k in row:
                     out[f"coco_lm_small_{prec}_{k}"] = row[k]
-    out["settings"] = dict(rounds=args.rounds, steps=args.steps, warmup=args.warmup, threads=args.threads,
+    out["settings"] = dict(malloc=MALLOC["malloc"], rounds=args.rounds, steps=args.steps, warmup=args.warmup, threads=args.threads,
                            peer="torch_tacl.py --head mlm", cpu_count=os.cpu_count(),
                            load_avg_end=os.getloadavg(), cpu=cpu_info())
     out["raw"] = rounds
@@ -548,7 +572,8 @@ def main_ablate(args) -> dict:
             for prec in precisions:
                 order = names if r % 2 == 0 else list(reversed(names))
                 for name in order:
-                    o = _run(_ours_cmd(size, prec, args, **ABLATIONS[name]), args.timeout)
+                    o = _run(_ours_cmd(size, prec, args, **ABLATIONS[name]), args.timeout,
+                             env=_worker_env(ABLATIONS[name].get("_malloc")))
                     res.setdefault(f"{size}_{prec}", {}).setdefault(name, []).append(o)
                     print(f"ablate r{r} {size} {prec} {name}: {o.get('tokens_per_s', o.get('error'))}",
                           file=sys.stderr, flush=True)
@@ -615,6 +640,8 @@ def parse_args(argv=None):
                    help="python with torch + transformers for the peer (default: this one)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per measurement")
     p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument("--malloc", choices=("tuned", "system"), default="tuned",
+                   help="allocator of every measured process, ours and the peer's (tacl_jax.hostenv)")
     p.add_argument("--ablate", action="store_true", help="measure the levers (see ABLATIONS)")
     p.add_argument("--ablations", default="", help="comma-separated subset of ABLATIONS")
     p.add_argument("--breakdown", action="store_true", help="time the parts of our step")
@@ -650,6 +677,7 @@ def _main_worker(args) -> None:
 
 def main(argv=None) -> dict | None:
     args = parse_args(argv)
+    MALLOC["malloc"] = args.malloc
     if args.worker:
         _main_worker(args)
         return None

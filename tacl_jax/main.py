@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -26,6 +27,9 @@ def main(argv):
                         format=f"%(asctime)s [p{jax.process_index()}] %(name)s: %(message)s")
     # Orbax and grain log every save phase at INFO through absl; keep the console readable.
     logging.getLogger("absl").setLevel(logging.WARNING)
+    from tacl_jax import hostenv
+
+    logging.getLogger(__name__).info("allocator: %s", hostenv.describe(os.environ))
     from tacl_jax.train.loop import train_and_evaluate
 
     result = train_and_evaluate(FLAGS.config, FLAGS.workdir)
@@ -36,8 +40,6 @@ def main(argv):
 
 def _show_fill_mask(workdir: str, text: str) -> None:
     """Load the final export with ``transformers`` and print a fill-mask example."""
-    import os
-
     from tacl_jax.hf import fill_mask
     from tacl_jax.train.loop import export_dir, local_dir
 
@@ -53,4 +55,7 @@ def _show_fill_mask(workdir: str, text: str) -> None:
 
 
 if __name__ == "__main__":
+    from tacl_jax import hostenv
+
+    hostenv.maybe_reexec("tacl_jax.main")   # glibc malloc that reuses XLA's step buffers
     app.run(main)
