@@ -456,15 +456,10 @@ def _resolve_default() -> str:
 
 def cpu_info() -> dict:
     """The CPU's vector extensions: bf16 matmuls are fast only with AVX512_BF16 / AMX."""
-    flags = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
+    sys.path.insert(0, REPO)
+    from tacl_jax.precision import cpu_flags
+
+    flags = cpu_flags()
     return {k: k in flags for k in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")}
 
 
