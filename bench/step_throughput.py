@@ -94,7 +94,11 @@ ABLATIONS = {
     "plain_autodiff": {"plain_autodiff": True},        # autodiff through dense/decoder (no custom_vjp)
     "jax_gelu": {"jax_gelu": True},                    # jax.nn.gelu (erfc) instead of the erf form
     "autodiff_xent": {"autodiff_xent": True},          # logsumexp + gather + argmax, autodiff
-    "teacher_bf16_params": {"teacher_dtype": "bfloat16"},
+    # bf16 weight gradients as XLA:CPU lowers xᵀ·g (upcast to f32) instead of through a transposed
+    # copy of x (tacl_jax.models.layers._rows_dot); no effect in fp32 or off the CPU.
+    "xla_rows_dot": {"xla_rows_dot": True},
+    "teacher_f32_params": {"teacher_dtype": "float32"},    # the teacher cast to bf16 every step
+    "teacher_bf16_params": {"teacher_dtype": "bfloat16"},  # every teacher leaf in bf16
     "prng_rbg": {"prng": "rbg"},
     "prng_unsafe_rbg": {"prng": "unsafe_rbg"},
     "no_dropout": {"no_dropout": True},
@@ -212,6 +216,10 @@ def _build_ours(args):
             dt, c = cast(dtype_name)
             return lambda h, t, b: jnp.dot(c(h), c(t).T, preferred_element_type=jnp.float32) + b.astype(jnp.float32)
         layers._matmul_for, layers._matmul_bias_for, layers._decoder_for = plain, plain_bias, plain_decoder
+    if args.xla_rows_dot:
+        from tacl_jax.models import layers
+
+        layers.CPU_BF16_TRANSPOSED_COPY = False
     if args.jax_gelu:
         from tacl_jax.models import bert
 
@@ -255,7 +263,8 @@ def _build_ours(args):
     state, state_sh = loop.create_state(model, tx, mesh, rules, c.seed, c.max_len)
     special = tokens.default_special_ids(VOCAB)
     step_cfg = step_config_from(c, special)
-    teacher, teacher_sh = loop.create_teacher(state.params, state_sh.params, c.tacl.teacher_param_dtype)
+    teacher, teacher_sh = loop.create_teacher(state.params, state_sh.params, c.tacl.teacher_param_dtype,
+                                              model.config.dtype)
     train_step = make_train_step(model, step_cfg, tx, schedule, teacher_model=loop.teacher_of(model))
 
     def batch(step):
@@ -649,11 +658,12 @@ def parse_args(argv=None):
     p.add_argument("--size", default="small", help=argparse.SUPPRESS)
     p.add_argument("--precision", default="bf16", help=argparse.SUPPRESS)
     p.add_argument("--prng", default="threefry", help=argparse.SUPPRESS)
-    p.add_argument("--teacher_dtype", default="float32", help=argparse.SUPPRESS)
+    p.add_argument("--teacher_dtype", default="compute", help=argparse.SUPPRESS)
     p.add_argument("--no_dropout", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--full_vocab_head", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--plain_autodiff", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--jax_gelu", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--xla_rows_dot", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--autodiff_xent", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--profile_dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--matmul_n", type=int, default=2048, help=argparse.SUPPRESS)

@@ -16,6 +16,7 @@ from tacl_jax.models import REMAT_POLICIES
 from tacl_jax.objectives.coco_lm import coco_lm_config
 
 OBJECTIVES = ("tacl", "mlm", "coco_lm")
+TEACHER_PARAM_DTYPES = ("compute", "float32", "bfloat16")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -73,7 +74,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.tacl.temperature = 0.01
     c.tacl.mask_pad_keys = True          # False = keep [PAD] keys in the softmax (the original)
     c.tacl.teacher_dropout = False       # True = dropout in the teacher (the original's bug)
-    c.tacl.teacher_param_dtype = "float32"  # 'bfloat16' halves the teacher's memory
+    # 'compute': the frozen teacher's matmul kernels stored in the compute dtype (no per-step cast,
+    # outputs bit-identical to 'float32'); 'float32'; 'bfloat16' (every leaf, embeddings too).
+    c.tacl.teacher_param_dtype = "compute"
 
     c.loss_weights = ml_collections.ConfigDict(dict(mlm=1.0, tacl=1.0, nsp=1.0))
     c.coco_lm = coco_lm_config()         # used when objective == 'coco_lm'
@@ -184,6 +187,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
         raise ValueError("masking: need 0 < mask_prob < 1 and replace_prob + random_prob <= 1")
     if c.tacl.temperature <= 0:
         raise ValueError("tacl.temperature must be positive")
+    if c.tacl.teacher_param_dtype not in TEACHER_PARAM_DTYPES:
+        raise ValueError(f"config.tacl.teacher_param_dtype={c.tacl.teacher_param_dtype!r}: use one of "
+                         f"{TEACHER_PARAM_DTYPES}")
     if c.analysis.enabled and (c.analysis.num_sentences < 1 or c.analysis.max_len < 3 or c.analysis.batch_size < 1):
         raise ValueError("analysis: need num_sentences >= 1, max_len >= 3 and batch_size >= 1 "
                          "(or analysis.enabled=False)")

@@ -15,6 +15,7 @@ import pytest
 
 from tacl_jax.models import BertConfig, BertModel
 from tacl_jax.models.attention import dot_product_attention
+from tacl_jax.models import layers
 from tacl_jax.models.layers import gelu, matmul, tied_decoder
 from tacl_jax.objectives import mlm_per_position
 
@@ -55,6 +56,30 @@ def test_bf16_matmul_keeps_f32_accumulation_and_bf16_backward():
     np.testing.assert_allclose(dw, rx.T @ rct, rtol=2e-2, atol=2e-2)
     np.testing.assert_allclose(db, ct.sum(0), rtol=1e-5, atol=1e-5)   # the bias gradient stays f32
     assert dx.dtype == dw.dtype == db.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_bf16_weight_gradients_through_the_transposed_copy(monkeypatch, copy):
+    """bf16 ``dW = xᵀ·g`` and the tied decoder's ``d table = gᵀ·h`` equal numpy's product of the
+    bf16-rounded operands (f32 accumulation), with the transposed copy and without; and on the CPU
+    the copy turns XLA's row contraction (``lhs_contracting_dims={0}``, upcast to f32 by XLA:CPU)
+    into a canonical dot."""
+    monkeypatch.setattr(layers, "CPU_BF16_TRANSPOSED_COPY", copy)
+    x, w, ct = _rand(0, (48, 24)), _rand(1, (24, 40)), _rand(2, (48, 40))
+    h, table, ctd = _rand(3, (20, 24)), _rand(4, (56, 24)), _rand(5, (20, 56))
+
+    def loss(x, w, h, table):
+        return (jnp.sum(matmul(x, w, jnp.bfloat16) * ct)
+                + jnp.sum(tied_decoder(h, table, jnp.zeros((56,)), jnp.bfloat16) * ctd))
+
+    grad = jax.jit(jax.grad(loss, argnums=(1, 3)))
+    dw, dtable = grad(x, w, h, table)
+    r = lambda a: np.asarray(jnp.asarray(a).astype(jnp.bfloat16).astype(jnp.float32), np.float64)  # noqa: E731
+    np.testing.assert_allclose(dw, r(x).T @ r(ct), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(dtable, r(ctd).T @ r(h), rtol=1e-4, atol=1e-4)
+    if jax.default_backend() == "cpu":
+        hlo = grad.lower(x, w, h, table).compile().as_text()
+        assert ("lhs_contracting_dims={0}" in hlo) == (not copy), "the row contraction is (not) folded away"
 
 
 def test_tied_decoder_value_and_grads_equal_autodiff():

@@ -82,6 +82,56 @@ def test_sharded_loss_and_grads_equal_single_device(mesh_sizes):
     assert "nsp_nll" in s1 and "tacl_nll" in s1
 
 
+def test_bf16_teacher_kernels_in_compute_dtype_change_nothing():
+    """``tacl.teacher_param_dtype='compute'`` (the default) stores the teacher's kernels in bf16 once
+    instead of casting them every step: loss and gradients are bit-identical to an f32 teacher."""
+    config = tiny_config()
+    config.model.dtype = "bfloat16"
+    s = _setup(config, dict(data=1, fsdp=1, tensor=1), jax.devices()[:1])
+    batch = _batch(config, 0, s["model"], s["special"])
+    l32, s32, g32 = _grads(s, batch)
+    s["teacher"], _ = loop.create_teacher(s["state"].params, s["state_sh"].params, "compute", s["model"].config.dtype)
+    kinds = {jax.tree_util.keystr(p).endswith("['kernel']"): x.dtype for p, x in
+             jax.tree_util.tree_leaves_with_path(s["teacher"])}
+    assert kinds == {True: jax.numpy.bfloat16, False: jax.numpy.float32}
+    lc, sc, gc = _grads(s, batch)
+    np.testing.assert_array_equal(lc, l32)
+    _assert_trees_close(gc, g32, 0, 0)
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_bf16_sharded_loss_and_grads_equal_single_device(monkeypatch, copy):
+    """The bf16 step (with and without the CPU's transposed copy for weight gradients,
+    ``layers.CPU_BF16_TRANSPOSED_COPY``) on a 2×2×2 mesh equals the single-device step; the two
+    variants agree with each other (f32 accumulation either way)."""
+    from tacl_jax.models import layers
+
+    monkeypatch.setattr(layers, "CPU_BF16_TRANSPOSED_COPY", copy)
+    config = tiny_config()
+    config.model.dtype = "bfloat16"
+    one = _setup(config, dict(data=1, fsdp=1, tensor=1), jax.devices()[:1])
+    many = _setup(config, dict(data=2, fsdp=2, tensor=2), jax.devices())
+    batch = _batch(config, 0, one["model"], one["special"])
+    l1, _, g1 = _grads(one, batch)
+    l8, _, g8 = _grads(many, batch)
+    np.testing.assert_allclose(l8, l1, rtol=1e-3)
+    _assert_trees_rel_close(g8, g1, 2e-2)
+    monkeypatch.setattr(layers, "CPU_BF16_TRANSPOSED_COPY", not copy)
+    l_other, _, g_other = _grads(one, batch)
+    np.testing.assert_allclose(l_other, l1, rtol=1e-6)
+    _assert_trees_rel_close(g_other, g1, 2e-2)
+
+
+def _assert_trees_rel_close(a, b, tol):
+    """Per leaf ``|a - b| <= tol · |b| + 1e-5`` (L2 norms): bf16 roundings differ with the reduction
+    order, so element-wise tolerances would flag near-zero entries, while a wrong gradient is off by
+    ~100%. (The absolute floor is for leaves whose exact gradient is 0, e.g. the key bias.)"""
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        err, ref = np.linalg.norm(x - y), np.linalg.norm(y)
+        assert err <= tol * ref + 1e-5, f"{jax.tree_util.keystr(path)}: |diff| {err:.3g} vs |ref| {ref:.3g}"
+
+
 def test_k_micro_batches_equal_one_batch():
     config = tiny_config(global_batch_size=8)
     config.model.hidden_dropout_prob = 0.0      # dropout masks differ per micro-batch by design
@@ -152,6 +202,7 @@ def test_loop_runs_and_logs_every_step(tmp_path, caplog):
     (dict(grad_accum_steps=3), "not divisible by grad_accum_steps"),
     (dict(**{"init.hf_path": "/nonexistent/bert-base-uncased"}), "bert-base-uncased' does not exist"),
     (dict(**{"data.source": "text:/nonexistent/corpus.txt"}), "corpus.txt"),
+    (dict(**{"tacl.teacher_param_dtype": "fp16"}), "teacher_param_dtype='fp16': use one of"),
 ])
 def test_startup_validation_errors(tmp_path, overrides, match):
     config = tiny_config(**overrides)

@@ -15,6 +15,18 @@ Why custom backward passes (``jax.custom_vjp``), each measured on a 2-core CPU (
   (2/3 of the FLOPs) would run in f32. The cotangent is cast to the compute dtype first, keeping f32
   accumulation: on TPUs, GPUs and CPUs with AVX-512 bf16 that is the fast path. In fp32 mode these
   are ordinary matmuls.
+* **bf16 weight gradients on XLA:CPU** (``_rows_dot``). XLA:CPU hands a bf16 dot to YNNPACK only
+  when its left operand is contracted over its last dimension; ``dW = xᵀ · g`` contracts both
+  operands over their rows, so XLA upcasts it to an f32 dot (a third of the student's FLOPs at the
+  f32 rate). A transposed copy ``xᵀ [K, M]`` fixes that, but a plain ``x.T`` (also behind an
+  ``optimization_barrier``) is folded back into the dot's dimension numbers. Built as the
+  concatenation of the transposes of x's two column halves it stays a real ``[K, M]`` array, and
+  ``xᵀ · g`` becomes a canonical bf16 dot. Measured on a 2-core AVX-512 BF16 Zen 4, bf16 in, f32
+  accumulate: ``[2048, 768]ᵀ · [2048, 3072]`` 195 -> 335 GFLOP/s (the copy included; the canonical
+  dot alone runs at ~380). Only on the CPU backend (TPUs and GPUs contract either way natively) and
+  only in bf16 (f32 contractions over rows already run at the f32 matmul rate);
+  ``CPU_BF16_TRANSPOSED_COPY = False`` turns it off (``bench/step_throughput.py --ablate``
+  measures it).
 """
 
 from __future__ import annotations
@@ -37,6 +49,32 @@ def _dot(a, b, dims=(((1,), (0,)), ((), ()))):
     return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
+# See the module doc; read at trace time (the bench's ablation flips it before building a step).
+CPU_BF16_TRANSPOSED_COPY = True
+
+
+def _transposed_copy(a: jax.Array) -> jax.Array:
+    """``a [M, K] -> aᵀ [K, M]`` as a materialised array that XLA does not fold into a consumer
+    dot: the transposes of a's two column halves, concatenated (see the module doc)."""
+    half = a.shape[1] // 2
+    return jax.lax.concatenate([a[:, :half].T, a[:, half:].T], 0)
+
+
+def _rows_dot(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``aᵀ · b``: ``a [M, K], b [M, N] -> [K, N]`` (f32), contracting the rows of both.
+
+    In bf16 on the CPU backend through a transposed copy of ``a`` (a canonical dot XLA:CPU runs in
+    bf16; see the module doc), elsewhere as one ``dot_general``. The copy is skipped where YNNPACK
+    would not take the dot anyway (a vector or a tiny matrix), so XLA's f32 fallback stays valid.
+    """
+    m, k = a.shape
+    n = b.shape[1]
+    if (CPU_BF16_TRANSPOSED_COPY and a.dtype == b.dtype == jnp.bfloat16 and k >= 2 and min(m, n) > 1
+            and max(m, k, n) >= 8 and jax.default_backend() == "cpu"):
+        return _dot(_transposed_copy(a), b)
+    return _dot(a, b, _TN)
+
+
 def _row_sum(g: jax.Array) -> jax.Array:
     """``g [M, N] -> [N]`` (f32) as a matmul with a ones vector (see the module doc)."""
     return _dot(jnp.ones((g.shape[0],), g.dtype), g, _TN)
@@ -55,7 +93,7 @@ def matmul(x: jax.Array, w: jax.Array, compute_dtype, bias: jax.Array | None = N
 
 def _mm_bwd(dt, xc, wc, g):
     gc = g.astype(dt)
-    return _dot(gc, wc, _NT), _dot(xc, gc, _TN)
+    return _dot(gc, wc, _NT), _rows_dot(xc, gc)
 
 
 @functools.lru_cache(maxsize=None)
@@ -125,7 +163,7 @@ def _decoder_for(dtype_name: str):
         hc, tc, h_like, t_like, b_like = res
         gc = g.astype(dt)
         dh = _dot(gc, tc)                  # [M, V] x [V, H]
-        dt_ = _dot(gc, hc, _TN)            # [V, M]ᵀ-contraction -> [V, H]
+        dt_ = _rows_dot(gc, hc)            # [M, V]ᵀ · [M, H] -> [V, H]
         return dh.astype(h_like.dtype), dt_.astype(t_like.dtype), _row_sum(g).astype(b_like.dtype)
 
     dec.defvjp(fwd, bwd)

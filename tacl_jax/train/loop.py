@@ -160,13 +160,27 @@ def _optimizer_shardings(tx, abstract_opt, param_sh, repl):
                                  is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
 
 
-def create_teacher(student_params, param_sh, dtype: str):
-    """A frozen copy of the student's encoder, optionally in bf16, in fresh buffers (the student's
-    are donated every step)."""
-    dt = to_dtype(dtype)
+def create_teacher(student_params, param_sh, dtype: str, compute_dtype=None):
+    """A frozen copy of the student's encoder in fresh buffers (the student's are donated every step).
+
+    ``dtype``: 'float32' / 'bfloat16' store every leaf so; 'compute' stores the matmul kernels in
+    ``compute_dtype`` (the model's resolved compute dtype) and the rest (embeddings, LayerNorm,
+    biases) as they are. The Dense layers cast their kernel to the compute dtype before every
+    matmul, so 'compute' gives bit-identical teacher outputs while the per-step cast of the
+    teacher's ~all weights disappears (and, in bf16, half their memory)."""
     enc, enc_sh = strip_heads(student_params), strip_heads(param_sh)
-    copy = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dt) if x.dtype != dt else x + 0, p),
-                   out_shardings=enc_sh)
+    if dtype == "compute":
+        if compute_dtype is None:
+            raise ValueError("create_teacher(dtype='compute') needs the model's compute_dtype")
+        cdt = to_dtype(compute_dtype)
+
+        def cast(path, x):
+            return x.astype(cdt) if getattr(path[-1], "key", None) == "kernel" and x.dtype != cdt else x + 0
+        copy = jax.jit(lambda p: jax.tree_util.tree_map_with_path(cast, p), out_shardings=enc_sh)
+    else:
+        dt = to_dtype(dtype)
+        copy = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dt) if x.dtype != dt else x + 0, p),
+                       out_shardings=enc_sh)
     return copy(enc), enc_sh
 
 
@@ -462,7 +476,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     teacher, teacher_sh = None, None
     if not coco and step_cfg.uses_teacher:
         init = initial_params(model, mesh, rules, config.seed, config.max_len, state_sh.params, hf_params)
-        teacher, teacher_sh = create_teacher(init, state_sh.params, config.tacl.teacher_param_dtype)
+        teacher, teacher_sh = create_teacher(init, state_sh.params, config.tacl.teacher_param_dtype,
+                                             model.config.dtype)
         del init
     del hf_params
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
