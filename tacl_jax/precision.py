@@ -10,14 +10,16 @@ Parameters, optimizer state and the losses stay f32 in both cases.
 
 from __future__ import annotations
 
+import functools
 from typing import Iterable
 
 CHOICES = ("auto", "bfloat16", "float32", "float16")
 _CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
+@functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags of ``/proc/cpuinfo`` (empty where it cannot be read)."""
+    """The CPU feature flags of ``/proc/cpuinfo`` (empty where it cannot be read); read once."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

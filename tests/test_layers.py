@@ -82,6 +82,18 @@ def test_bf16_weight_gradients_through_the_transposed_copy(monkeypatch, copy):
         assert ("lhs_contracting_dims={0}" in hlo) == (not copy), "the row contraction is (not) folded away"
 
 
+def test_transposed_copy_by_default_only_on_cpus_with_bf16_units(monkeypatch):
+    from tacl_jax import precision
+
+    monkeypatch.setattr(layers, "CPU_BF16_TRANSPOSED_COPY", None)
+    for flags, expected in ((frozenset({"avx2", "avx512f"}), False), (frozenset({"avx512_bf16"}), True),
+                            (frozenset({"amx_bf16"}), True)):
+        monkeypatch.setattr(precision, "cpu_flags", lambda flags=flags: flags)
+        assert layers._use_transposed_copy() is expected
+    monkeypatch.setattr(layers, "CPU_BF16_TRANSPOSED_COPY", False)
+    assert layers._use_transposed_copy() is False
+
+
 def test_tied_decoder_value_and_grads_equal_autodiff():
     h, table, bias = _rand(0, (9, 6)), _rand(1, (11, 6)), _rand(2, (11,))
     (v1, g1) = _grads(lambda h, t, b: tied_decoder(h, t, b, jnp.float32), h, table, bias)

@@ -23,10 +23,11 @@ Why custom backward passes (``jax.custom_vjp``), each measured on a 2-core CPU (
   concatenation of the transposes of x's two column halves it stays a real ``[K, M]`` array, and
   ``xᵀ · g`` becomes a canonical bf16 dot. Measured on a 2-core AVX-512 BF16 Zen 4, bf16 in, f32
   accumulate: ``[2048, 768]ᵀ · [2048, 3072]`` 195 -> 335 GFLOP/s (the copy included; the canonical
-  dot alone runs at ~380). Only on the CPU backend (TPUs and GPUs contract either way natively) and
-  only in bf16 (f32 contractions over rows already run at the f32 matmul rate);
-  ``CPU_BF16_TRANSPOSED_COPY = False`` turns it off (``bench/step_throughput.py --ablate``
-  measures it).
+  dot alone runs at ~380). Only on the CPU backend (TPUs and GPUs contract either way natively), only
+  in bf16 (f32 contractions over rows already run at the f32 matmul rate) and, by default, only on
+  CPUs with bf16 matmul units (elsewhere XLA's f32 fallback is the faster one);
+  ``CPU_BF16_TRANSPOSED_COPY`` = True / False forces it on / off (``bench/step_throughput.py
+  --ablate`` measures it).
 """
 
 from __future__ import annotations
@@ -50,7 +51,16 @@ def _dot(a, b, dims=(((1,), (0,)), ((), ()))):
 
 
 # See the module doc; read at trace time (the bench's ablation flips it before building a step).
-CPU_BF16_TRANSPOSED_COPY = True
+# None = where the CPU has bf16 matmul units (tacl_jax.precision), True / False = always / never.
+CPU_BF16_TRANSPOSED_COPY: bool | None = None
+
+
+def _use_transposed_copy() -> bool:
+    if CPU_BF16_TRANSPOSED_COPY is not None:
+        return CPU_BF16_TRANSPOSED_COPY
+    from tacl_jax import precision
+
+    return precision.auto_compute_dtype("cpu", precision.cpu_flags()) == "bfloat16"
 
 
 def _transposed_copy(a: jax.Array) -> jax.Array:
@@ -69,8 +79,8 @@ def _rows_dot(a: jax.Array, b: jax.Array) -> jax.Array:
     """
     m, k = a.shape
     n = b.shape[1]
-    if (CPU_BF16_TRANSPOSED_COPY and a.dtype == b.dtype == jnp.bfloat16 and k >= 2 and min(m, n) > 1
-            and max(m, k, n) >= 8 and jax.default_backend() == "cpu"):
+    if (a.dtype == b.dtype == jnp.bfloat16 and k >= 2 and min(m, n) > 1 and max(m, k, n) >= 8
+            and jax.default_backend() == "cpu" and _use_transposed_copy()):
         return _dot(_transposed_copy(a), b)
     return _dot(a, b, _TN)
 
