@@ -169,18 +169,15 @@ def create_teacher(student_params, param_sh, dtype: str, compute_dtype=None):
     matmul, so 'compute' gives bit-identical teacher outputs while the per-step cast of the
     teacher's ~all weights disappears (and, in bf16, half their memory)."""
     enc, enc_sh = strip_heads(student_params), strip_heads(param_sh)
-    if dtype == "compute":
-        if compute_dtype is None:
-            raise ValueError("create_teacher(dtype='compute') needs the model's compute_dtype")
-        cdt = to_dtype(compute_dtype)
+    if dtype == "compute" and compute_dtype is None:
+        raise ValueError("create_teacher(dtype='compute') needs the model's compute_dtype")
+    dt = to_dtype(compute_dtype if dtype == "compute" else dtype)
 
-        def cast(path, x):
-            return x.astype(cdt) if getattr(path[-1], "key", None) == "kernel" and x.dtype != cdt else x + 0
-        copy = jax.jit(lambda p: jax.tree_util.tree_map_with_path(cast, p), out_shardings=enc_sh)
-    else:
-        dt = to_dtype(dtype)
-        copy = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dt) if x.dtype != dt else x + 0, p),
-                       out_shardings=enc_sh)
+    def cast(path, x):
+        if dtype == "compute" and getattr(path[-1], "key", None) != "kernel":
+            return x + 0
+        return x.astype(dt) if x.dtype != dt else x + 0
+    copy = jax.jit(lambda p: jax.tree_util.tree_map_with_path(cast, p), out_shardings=enc_sh)
     return copy(enc), enc_sh
 
 
