@@ -102,6 +102,9 @@ ABLATIONS = {
     "prng_rbg": {"prng": "rbg"},
     "prng_unsafe_rbg": {"prng": "unsafe_rbg"},
     "no_dropout": {"no_dropout": True},
+    # flax's nn.Dropout (one 32-bit threefry word per element) instead of two 16-bit uniforms per
+    # word (tacl_jax.models.dropout).
+    "dropout_bits32": {"dropout_bits": 32},
     # The process's allocator, not a flag of the step: glibc's defaults instead of the tuned
     # malloc (tacl_jax.hostenv) that every other row, the peer's included, runs with.
     "system_malloc": {"_malloc": "system"},
@@ -249,6 +252,7 @@ def _build_ours(args):
     c.tacl.teacher_param_dtype = args.teacher_dtype
     c.model.remat_policy = args.remat_policy
     c.model.scan_layers = bool(args.scan_layers)
+    c.model.dropout_bits = args.dropout_bits
     if args.no_dropout:
         c.model.hidden_dropout_prob = 0.0
         c.model.attention_probs_dropout_prob = 0.0
@@ -660,6 +664,7 @@ def parse_args(argv=None):
     p.add_argument("--prng", default="threefry", help=argparse.SUPPRESS)
     p.add_argument("--teacher_dtype", default="compute", help=argparse.SUPPRESS)
     p.add_argument("--no_dropout", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--dropout_bits", type=int, default=16, help=argparse.SUPPRESS)
     p.add_argument("--full_vocab_head", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--plain_autodiff", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--jax_gelu", action="store_true", help=argparse.SUPPRESS)

@@ -13,6 +13,7 @@ import ml_collections
 from tacl_jax import precision
 from tacl_jax.data import config as data_config
 from tacl_jax.models import REMAT_POLICIES
+from tacl_jax.models.dropout import DROPOUT_BITS
 from tacl_jax.objectives.coco_lm import coco_lm_config
 
 OBJECTIVES = ("tacl", "mlm", "coco_lm")
@@ -61,6 +62,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.scan_layers = False          # one nn.scan over the layers: params encoder/layers/... [N, ...]
     c.model.hidden_dropout_prob = 0.1
     c.model.attention_probs_dropout_prob = 0.1
+    # 16: dropout masks from 16-bit uniforms, two per threefry word (half the PRNG work; rate
+    # quantised to 1/65536; tacl_jax.models.dropout); 32: flax's nn.Dropout, one word per element.
+    c.model.dropout_bits = 16
     c.model.vocab_multiple = 128
 
     c.masking = ml_collections.ConfigDict()
@@ -170,6 +174,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
         raise ValueError(f"config.model.remat_policy={c.model.remat_policy!r}: use one of {REMAT_POLICIES}")
     if not isinstance(c.model.scan_layers, bool):
         raise ValueError(f"config.model.scan_layers={c.model.scan_layers!r}: use True or False")
+    if c.model.get("dropout_bits", 16) not in DROPOUT_BITS:
+        raise ValueError(f"config.model.dropout_bits={c.model.dropout_bits!r}: use one of {DROPOUT_BITS}")
+    for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+        if not 0.0 <= c.model[name] < 1.0:
+            raise ValueError(f"config.model.{name}={c.model[name]!r}: use a rate in [0, 1)")
     data_config.validate(c.data)
     if c.nsp and c.data.packing != "nsp_pairs" and c.data.source != "synthetic":
         raise ValueError("config.nsp=True needs sentence pairs: set config.data.packing='nsp_pairs'")

@@ -6,6 +6,7 @@ the values and every gradient are those of the textbook formulas.
 """
 
 import math
+import re
 
 import flax.linen as nn
 import jax
@@ -80,6 +81,25 @@ def test_bf16_weight_gradients_through_the_transposed_copy(monkeypatch, copy):
     if jax.default_backend() == "cpu":
         hlo = grad.lower(x, w, h, table).compile().as_text()
         assert ("lhs_contracting_dims={0}" in hlo) == (not copy), "the row contraction is (not) folded away"
+        # The two weight-gradient dots run on bf16 operands with the copy; XLA:CPU upcasts the row
+        # contraction to f32 without it (a transpose XLA folds back would show f32 here too).
+        operands = {t for _, a, b in _dots(hlo) for t in (a, b)}
+        assert operands == ({"bf16"} if copy else {"f32"}), (_dots(hlo), hlo)
+
+
+
+@pytest.mark.parametrize("shape", [(6, 4), (5, 7), (38, 30), (2, 2)])
+def test_transposed_copy_is_the_transpose(shape):
+    """Both constructions (3-d transpose for even K, concatenated halves for odd K) are ``aᵀ``."""
+    a = (np.arange(math.prod(shape)) % 251).astype(np.float32).reshape(shape)   # exact in bf16
+    np.testing.assert_array_equal(np.asarray(jax.jit(layers._transposed_copy)(jnp.asarray(a, jnp.bfloat16))
+                                             .astype(jnp.float32)), a.T)
+
+def _dots(hlo: str) -> list[tuple[str, str, str]]:
+    """``(result type, lhs dtype, rhs dtype)`` of every dot in compiled HLO text."""
+    types = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", hlo))
+    return [(m.group(2), types.get(m.group(3)), types.get(m.group(4)))
+            for m in re.finditer(r"%([\w.\-]+) = (\w+\[[\d,]*\])\S* dot\(%([\w.\-]+), %([\w.\-]+)\)", hlo)]
 
 
 def test_transposed_copy_by_default_only_on_cpus_with_bf16_units(monkeypatch):

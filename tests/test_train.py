@@ -59,9 +59,13 @@ def _grads(s, batch_np, rng_step=0):
     return jax.device_get((loss, sums, grads))
 
 
-def _assert_trees_close(a, b, rtol, atol):
+def _assert_trees_close(a, b, rtol, atol, leaf_atol=0.0):
+    """Leaf by leaf; ``leaf_atol`` adds ``leaf_atol · max|b's leaf|`` to ``atol`` (sums that cancel
+    to a small value carry the rounding of their large terms: compare them at the leaf's scale)."""
     for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path))
+        y = np.asarray(y)
+        tol = atol + leaf_atol * float(np.max(np.abs(y), initial=0.0))
+        np.testing.assert_allclose(np.asarray(x), y, rtol=rtol, atol=tol, err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.mark.parametrize("mesh_sizes", [dict(data=2, fsdp=2, tensor=2), dict(data=8, fsdp=1, tensor=1)])
@@ -78,7 +82,10 @@ def test_sharded_loss_and_grads_equal_single_device(mesh_sizes):
     np.testing.assert_allclose(l8, l1, rtol=1e-5)
     for k in s1:
         np.testing.assert_allclose(s8[k], s1[k], rtol=1e-5, atol=1e-5, err_msg=k)
-    _assert_trees_close(g8, g1, rtol=1e-4, atol=1e-6)
+    # f32 sums in another order (the word-embedding gradient's scatter-add over the batch, split
+    # over devices): 1 of 16,384 entries once differed by 1.2e-5 (1.5e-4 relative, where its terms
+    # cancel); a sharding error moves entries by their own size.
+    _assert_trees_close(g8, g1, rtol=1e-4, atol=1e-6, leaf_atol=1e-4)
     assert "nsp_nll" in s1 and "tacl_nll" in s1
 
 

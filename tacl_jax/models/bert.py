@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tacl_jax.models.attention import dot_product_attention
+from tacl_jax.models.dropout import DROPOUT_BITS, Dropout
 from tacl_jax.models.layers import Dense, LayerNorm, gelu, tied_decoder
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -68,6 +69,8 @@ class BertConfig:
     layer_norm_eps: float = 1e-12
     hidden_dropout_prob: float = 0.1
     attention_probs_dropout_prob: float = 0.1
+    # 16: masks from 16-bit uniforms, two per threefry word (tacl_jax.models.dropout); 32: flax's.
+    dropout_bits: int = 16
     initializer_range: float = 0.02
     pad_token_id: int = 0
     # Heads. The pooler is part of HF's BertModel/BertForPreTraining, so it is kept by default
@@ -91,6 +94,11 @@ class BertConfig:
             raise ValueError(f"remat_policy {self.remat_policy!r} is not one of {REMAT_POLICIES}")
         if not isinstance(self.scan_layers, bool):
             raise ValueError(f"scan_layers must be a bool, got {self.scan_layers!r}")
+        if self.dropout_bits not in DROPOUT_BITS:
+            raise ValueError(f"dropout_bits {self.dropout_bits!r} is not one of {DROPOUT_BITS}")
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} {getattr(self, name)} is not in [0, 1]")
         to_dtype(self.dtype), to_dtype(self.param_dtype)
 
     @property
@@ -155,7 +163,7 @@ class Embeddings(nn.Module):
         x = (word(input_ids).astype(jnp.float32) + pos(jnp.arange(length)[None]).astype(jnp.float32)
              + typ(token_type_ids).astype(jnp.float32))
         x = LayerNorm(cfg.layer_norm_eps, dtype, to_dtype(cfg.param_dtype), name="LayerNorm")(x)
-        x = nn.Dropout(cfg.hidden_dropout_prob)(x, deterministic=deterministic)
+        x = Dropout(cfg.hidden_dropout_prob, cfg.dropout_bits)(x, deterministic=deterministic)
         return nn.with_logical_constraint(x, ("activation_batch", "activation_length", "activation_embed"))
 
     def attend(self, hidden: jax.Array, bias: jax.Array | None = None) -> jax.Array:
@@ -188,7 +196,7 @@ class SelfAttention(nn.Module):
 
         q, k, v = proj("query"), proj("key"), proj("value")
         q = nn.with_logical_constraint(q, ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
-        drop = nn.Dropout(cfg.attention_probs_dropout_prob)
+        drop = Dropout(cfg.attention_probs_dropout_prob, cfg.dropout_bits)
         ctx = dot_product_attention(q, k, v, bias, dropout=lambda p: drop(p, deterministic=deterministic))
         out = Dense((nh, hd), (h,), ("heads", "kv", "embed"), dtype=dtype, param_dtype=pdtype,
                     kernel_init=init, name="output")(ctx)
@@ -206,7 +214,7 @@ class Layer(nn.Module):
         dtype, pdtype = to_dtype(cfg.dtype), to_dtype(cfg.param_dtype)
         init = nn.initializers.normal(cfg.initializer_range)
         a = SelfAttention(cfg, name="attention")(x, bias, deterministic)
-        a = nn.Dropout(cfg.hidden_dropout_prob)(a, deterministic=deterministic)
+        a = Dropout(cfg.hidden_dropout_prob, cfg.dropout_bits)(a, deterministic=deterministic)
         x = LayerNorm(cfg.layer_norm_eps, dtype, pdtype, name="attention_norm")(
             x.astype(jnp.float32) + a.astype(jnp.float32))
         hmid = Dense((cfg.hidden_size,), (cfg.intermediate_size,), ("embed", "mlp"), dtype=dtype,
@@ -214,7 +222,7 @@ class Layer(nn.Module):
         hmid = nn.with_logical_constraint(gelu(hmid), ("activation_batch", "activation_length", "activation_mlp"))
         o = Dense((cfg.intermediate_size,), (cfg.hidden_size,), ("mlp", "embed"), dtype=dtype,
                   param_dtype=pdtype, kernel_init=init, name="output")(hmid)
-        o = nn.Dropout(cfg.hidden_dropout_prob)(o, deterministic=deterministic)
+        o = Dropout(cfg.hidden_dropout_prob, cfg.dropout_bits)(o, deterministic=deterministic)
         x = LayerNorm(cfg.layer_norm_eps, dtype, pdtype, name="output_norm")(
             x.astype(jnp.float32) + o.astype(jnp.float32))
         return nn.with_logical_constraint(x, ("activation_batch", "activation_length", "activation_embed"))

@@ -46,6 +46,7 @@ def _bert_config(config, architecture: BertConfig | None) -> BertConfig:
                     scan_layers=bool(config.model.get("scan_layers", False)),
                     hidden_dropout_prob=config.model.hidden_dropout_prob,
                     attention_probs_dropout_prob=config.model.attention_probs_dropout_prob,
+                    dropout_bits=int(config.model.get("dropout_bits", 16)),
                     with_nsp_head=bool(config.nsp), with_pooler=True, with_mlm_head=True)
     if architecture is not None:
         return architecture.replace(**numerics)
@@ -65,7 +66,7 @@ def build_model(config) -> tuple[BertModel, dict | None]:
         cfg = _bert_config(config, hf.read_config(config.init.hf_path))
         overrides = {f: getattr(cfg, f) for f in ("dtype", "param_dtype", "remat_policy", "scan_layers", "vocab_multiple",
                                                   "hidden_dropout_prob", "attention_probs_dropout_prob",
-                                                  "with_nsp_head", "with_pooler", "with_mlm_head")}
+                                                  "dropout_bits", "with_nsp_head", "with_pooler", "with_mlm_head")}
         return hf.load(config.init.hf_path, seed=config.seed, **overrides)
     return model_from_config(config), None
 
