@@ -62,8 +62,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.scan_layers = False          # one nn.scan over the layers: params encoder/layers/... [N, ...]
     c.model.hidden_dropout_prob = 0.1
     c.model.attention_probs_dropout_prob = 0.1
-    # 16: dropout masks from 16-bit uniforms, two per threefry word (half the PRNG work; rate
-    # quantised to 1/65536; tacl_jax.models.dropout); 32: flax's nn.Dropout, one word per element.
+    # 16: dropout masks from 16-bit uniforms, four per threefry block (a quarter of the PRNG work; rate
+    # quantised to 1/65536; tacl_jax.models.dropout); 32: flax's nn.Dropout, one block per element.
     c.model.dropout_bits = 16
     c.model.vocab_multiple = 128
 

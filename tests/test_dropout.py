@@ -40,17 +40,16 @@ def test_uniform16_odd_last_axis_is_a_prefix_of_the_even_draw():
 
 
 
-def test_uniform16_are_the_quarters_of_threefry_blocks_at_linear_counters():
-    """Reference: JAX's public ``threefry_2x32`` on counters (0, i), i = the block's linear index,
-    split into 16-bit quarters with numpy; block j of a row holds elements 4j..4j+3."""
+def test_uniform16_are_the_quarters_of_threefry_blocks_at_row_column_counters():
+    """Reference: JAX's public ``threefry_2x32`` on the counters (row, j) of every block j of every
+    row, split into 16-bit quarters with numpy; block j of a row holds elements 4j..4j+3."""
     from jax.extend.random import threefry_2x32
 
     key = jax.random.key(7)
     shape = (3, 5, 10)                                    # 3 blocks per row, the last one half used
-    n = 3 * 5 * 3
-    out = np.asarray(threefry_2x32(jax.random.key_data(key),
-                                   jnp.concatenate([jnp.zeros(n, jnp.uint32), jnp.arange(n, dtype=jnp.uint32)])))
-    w1, w2 = out[:n].reshape(3, 5, 3), out[n:].reshape(3, 5, 3)
+    rows, cols = np.meshgrid(np.arange(15, dtype=np.uint32), np.arange(3, dtype=np.uint32), indexing="ij")
+    out = np.asarray(threefry_2x32(jax.random.key_data(key), jnp.concatenate([rows.ravel(), cols.ravel()])))
+    w1, w2 = out[:45].reshape(3, 5, 3), out[45:].reshape(3, 5, 3)
     quarters = np.stack([w1 & 0xFFFF, w1 >> 16, w2 & 0xFFFF, w2 >> 16], -1).reshape(3, 5, 12)[..., :10]
     np.testing.assert_array_equal(np.asarray(uniform16(key, shape)), quarters)
 

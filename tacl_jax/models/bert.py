@@ -69,7 +69,7 @@ class BertConfig:
     layer_norm_eps: float = 1e-12
     hidden_dropout_prob: float = 0.1
     attention_probs_dropout_prob: float = 0.1
-    # 16: masks from 16-bit uniforms, two per threefry word (tacl_jax.models.dropout); 32: flax's.
+    # 16: masks from 16-bit uniforms, four per threefry block (tacl_jax.models.dropout); 32: flax's.
     dropout_bits: int = 16
     initializer_range: float = 0.02
     pad_token_id: int = 0

@@ -6,15 +6,19 @@ partitionable threefry mode) runs one ``threefry2x32`` block per element and kee
 output bits. On a CPU that hashing is most of dropout's cost, ~9% of the op time of a bf16 TaCL step
 at the bench's ``small`` size (the ``[B, heads, L, L]`` attention probabilities dominate). Here one
 block gives four 16-bit uniforms. Measured on a 2-core Zen 4, mask and apply, jitted:
-``[8, 12, 128, 128]`` 10.8 -> 2.6 ms, ``[16, 128, 256]`` 5.9 -> 2.4 ms (a busy host).
-(``unsafe_rbg`` keys were 2× slower than threefry there.)
+``[8, 12, 128, 128]`` 10.8 -> 2.6 ms, ``[16, 128, 256]`` 5.9 -> 2.4 ms (a busy host). In the
+whole bf16 step there the hashing fusions' op time fell 21.7 -> 8.2 ms/step at ``small``, but
+tokens/s moved within the noise (XLA:CPU overlaps them with the matmuls; ``bench/step_throughput.py
+--ablate`` row ``dropout_bits32``), while XLA's temporary buffer shrank 15-17% (344 vs 403 MB at
+``small``, 1,226 vs 1,480 MB at ``base``). (``unsafe_rbg`` keys were 2× slower than threefry there.)
 
 The rate is quantised to ``t / 65536`` (``t = round(rate · 65536)``): 0.1 becomes 0.099998, and
 kept elements are scaled by the exact ``65536 / (65536 - t)``, so the expectation is unchanged.
-Block ``j`` of a row (counter = its linear index, as JAX's own counters) drops elements
-``4j .. 4j + 3`` of the last axis, so an element's block lies in the same shard as the element
-whenever the last axis is split in multiples of 4, and the counters do not depend on the sharding:
-a sharded run draws the same mask as one device. Keys of other PRNG implementations (``rbg``) draw
+Block ``j`` of row ``r`` (the row-major index over all but the last axis) has the counter
+``(r, j)`` and drops elements ``4j .. 4j + 3`` of that row, so an element's block lies in the same
+shard as the element whenever the last axis is split in multiples of 4, and the counters do not
+depend on the sharding: a sharded run draws the same mask as one device. (Two 32-bit counter words:
+up to 2**32 rows of 2**34 elements, however large the global batch.) Keys of other PRNG implementations (``rbg``) draw
 the two words of each block with ``jax.random.bits`` instead.
 """
 
@@ -36,25 +40,29 @@ def drop_threshold(rate: float) -> int:
     return int(round(rate * 65536))
 
 
-def _linear_iota(shape: tuple[int, ...]) -> jax.Array:
-    """``uint32[shape]``: each element's row-major linear index (built per axis, so it shards)."""
+def _row_iota(shape: tuple[int, ...]) -> jax.Array:
+    """``uint32[shape]``: each element's row index, row-major over all axes but the last (built
+    per axis, so it shards)."""
     out, stride = jnp.zeros(shape, jnp.uint32), 1
-    for axis in reversed(range(len(shape))):
+    for axis in reversed(range(len(shape) - 1)):
         out = out + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * np.uint32(stride)
         stride *= shape[axis]
     return out
 
 
 def _blocks(key: jax.Array, shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
-    """Two ``uint32[shape]`` words per element of ``shape``: one threefry2x32 block each."""
-    if int(np.prod(shape)) >= 2 ** 32:
-        raise ValueError(f"dropout of {shape}: more than 2**32 blocks; split the array")
+    """Two ``uint32[shape]`` words per element of ``shape`` (at least 1-d): one threefry2x32
+    block each, counter = (row, position in the row)."""
+    if int(np.prod(shape[:-1])) >= 2 ** 32 or shape[-1] >= 2 ** 32:
+        raise ValueError(f"dropout of {shape}: 2**32 rows or more, or a row of 2**34 elements or "
+                         "more; reshape the array")
     typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
     if typed and str(jax.random.key_impl(key)) != "threefry2x32":
         words = jax.random.bits(key, shape + (2,), jnp.uint32)
         return words[..., 0], words[..., 1]
     k1, k2 = jax.random.key_data(key) if typed else key
-    return threefry2x32_p.bind(k1, k2, jnp.zeros(shape, jnp.uint32), _linear_iota(shape))
+    return threefry2x32_p.bind(k1, k2, _row_iota(shape),
+                               jax.lax.broadcasted_iota(jnp.uint32, shape, len(shape) - 1))
 
 
 def _quarters(key: jax.Array, shape: tuple[int, ...], fn) -> jax.Array:
