@@ -87,13 +87,13 @@ def test_bf16_weight_gradients_through_the_transposed_copy(monkeypatch, copy):
         assert operands == ({"bf16"} if copy else {"f32"}), (_dots(hlo), hlo)
 
 
-
 @pytest.mark.parametrize("shape", [(6, 4), (5, 7), (38, 30), (2, 2)])
 def test_transposed_copy_is_the_transpose(shape):
     """Both constructions (3-d transpose for even K, concatenated halves for odd K) are ``aᵀ``."""
     a = (np.arange(math.prod(shape)) % 251).astype(np.float32).reshape(shape)   # exact in bf16
     np.testing.assert_array_equal(np.asarray(jax.jit(layers._transposed_copy)(jnp.asarray(a, jnp.bfloat16))
                                              .astype(jnp.float32)), a.T)
+
 
 def _dots(hlo: str) -> list[tuple[str, str, str]]:
     """``(result type, lhs dtype, rhs dtype)`` of every dot in compiled HLO text."""

@@ -17,9 +17,9 @@ kept elements are scaled by the exact ``65536 / (65536 - t)``, so the expectatio
 Block ``j`` of row ``r`` (the row-major index over all but the last axis) has the counter
 ``(r, j)`` and drops elements ``4j .. 4j + 3`` of that row, so an element's block lies in the same
 shard as the element whenever the last axis is split in multiples of 4, and the counters do not
-depend on the sharding: a sharded run draws the same mask as one device. (Two 32-bit counter words:
-up to 2**32 rows of 2**34 elements, however large the global batch.) Keys of other PRNG implementations (``rbg``) draw
-the two words of each block with ``jax.random.bits`` instead.
+depend on the sharding: a sharded run draws the same mask as one device. (Two 32-bit counter
+words: up to 2**32 rows of 2**34 elements, however large the global batch.) Keys of other PRNG
+implementations (``rbg``) draw the two words of each block with ``jax.random.bits`` instead.
 """
 
 from __future__ import annotations
