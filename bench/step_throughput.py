@@ -102,8 +102,8 @@ ABLATIONS = {
     "prng_rbg": {"prng": "rbg"},
     "prng_unsafe_rbg": {"prng": "unsafe_rbg"},
     "no_dropout": {"no_dropout": True},
-    # flax's nn.Dropout (one 32-bit threefry word per element) instead of two 16-bit uniforms per
-    # word (tacl_jax.models.dropout).
+    # flax's nn.Dropout (one threefry block per element) instead of four 16-bit uniforms per block
+    # (tacl_jax.models.dropout).
     "dropout_bits32": {"dropout_bits": 32},
     # The process's allocator, not a flag of the step: glibc's defaults instead of the tuned
     # malloc (tacl_jax.hostenv) that every other row, the peer's included, runs with.
