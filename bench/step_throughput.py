@@ -97,6 +97,9 @@ ABLATIONS = {
     # bf16 weight gradients as XLA:CPU lowers xᵀ·g (upcast to f32) instead of through a transposed
     # copy of x (tacl_jax.models.layers._rows_dot); no effect in fp32 or off the CPU.
     "xla_rows_dot": {"xla_rows_dot": True},
+    # bf16 attention as XLA:CPU lowers the einsums (all six matmuls upcast to f32) instead of
+    # through materialised copies and canonical dots (tacl_jax.models.attention); CPU bf16 only.
+    "xla_attention": {"xla_attention": True},
     "teacher_f32_params": {"teacher_dtype": "float32"},    # the teacher cast to bf16 every step
     "teacher_bf16_params": {"teacher_dtype": "bfloat16"},  # every teacher leaf in bf16
     "prng_rbg": {"prng": "rbg"},
@@ -223,6 +226,10 @@ def _build_ours(args):
         from tacl_jax.models import layers
 
         layers.CPU_BF16_TRANSPOSED_COPY = False
+    if args.xla_attention:
+        from tacl_jax.models import attention
+
+        attention._use_canonical_copies = lambda q: False
     if args.jax_gelu:
         from tacl_jax.models import bert
 
@@ -669,6 +676,7 @@ def parse_args(argv=None):
     p.add_argument("--plain_autodiff", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--jax_gelu", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--xla_rows_dot", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--xla_attention", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--autodiff_xent", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--profile_dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--matmul_n", type=int, default=2048, help=argparse.SUPPRESS)

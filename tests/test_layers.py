@@ -170,6 +170,61 @@ def test_attention_matches_a_naive_loop():
     np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(2, 8, 2, 4), (2, 20, 2, 4), (1, 9, 2, 8)])
+def test_bf16_attention_through_canonical_copies_equals_the_einsum_path(monkeypatch, shape):
+    """The XLA:CPU bf16 attention (materialised heads transposes, hand-written backward of
+    canonical dots) gives the einsum path's context and q/k/v gradients, with dropout and a masked
+    key; and on the CPU all its dots run on bf16 operands, where the einsum path's are upcast to
+    f32. The shapes take both branches of the cheaper-copy choice (L <= 2d and L > 2d) and an odd
+    L (the concatenated copy); each has a dimension of at least 8, below which YNNPACK leaves a dot
+    to XLA's f32 fallback."""
+    b, length, nh, hd = shape
+    q, k, v, ct = (_rand(i, shape).astype(jnp.bfloat16) for i in range(4))
+    bias = jnp.zeros((b, 1, 1, length)).at[0, ..., -1].set(-1e9)
+    mult = jnp.where(_rand(5, (b, nh, length, length)) > 1.2, 0.0, 1.0 / 0.9)   # a dropout mask
+
+    def run(copy):
+        monkeypatch.setattr(layers, "CPU_BF16_TRANSPOSED_COPY", copy)
+
+        def loss(q, k, v):
+            out = dot_product_attention(q, k, v, bias, dropout=lambda p: p * mult)
+            assert out.dtype == jnp.bfloat16 and out.shape == shape
+            return jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32)), out
+
+        fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+        (_, out), grads = fn(q, k, v)
+        return out, grads, fn.lower(q, k, v).compile().as_text()
+
+    (out1, g1, hlo1), (out0, g0, hlo0) = run(True), run(False)
+    f = lambda a: np.asarray(a, np.float32)   # noqa: E731
+    np.testing.assert_allclose(f(out1), f(out0), rtol=2e-2, atol=2e-2)
+    for a, r in zip(g1, g0):   # bf16 cotangents on the copy path: relative error ~1e-2 of the norm
+        assert a.dtype == jnp.bfloat16
+        assert np.linalg.norm(f(a) - f(r)) <= 2e-2 * np.linalg.norm(f(r)), (a, r)
+    np.testing.assert_array_equal(f(g1[1])[0, -1], 0.0)   # the masked key gets no gradient
+    if jax.default_backend() == "cpu":
+        assert {t for _, x, y in _dots(hlo1) for t in (x, y)} == {"bf16"}, _dots(hlo1)
+        assert len(_dots(hlo1)) == 6   # two forward, four backward: none folded away
+        assert {t for _, x, y in _dots(hlo0) for t in (x, y)} == {"f32"}   # what the copies avoid
+
+
+@pytest.mark.parametrize("m,k,n", [(6, 4, 6), (20, 20, 4), (5, 7, 3)])
+def test_attention_batched_products_take_either_copy(m, k, n):
+    """``a·bᵀ`` and ``aᵀ·b`` of ``tacl_jax.models.attention`` equal numpy's products, with f32
+    accumulation of bf16 operands, in the requested output dtype; ``aᵀ·b`` copying ``a`` (first and
+    last shapes) or ``b`` and the result (the middle one)."""
+    from tacl_jax.models import attention
+
+    ints = lambda i, s: jnp.asarray((np.arange(math.prod(s)) * (7 + i) % 13 - 6).reshape(s), jnp.bfloat16)  # noqa: E731
+    a, b = ints(0, (2, 3, m, k)), ints(1, (2, 3, n, k))
+    nt = jax.jit(attention._bmm_nt, static_argnums=2)(a, b, jnp.float32)
+    np.testing.assert_array_equal(nt, np.einsum("bhmk,bhnk->bhmn", np.float32(a), np.float32(b)))
+    a, b = ints(2, (2, 3, k, m)), ints(3, (2, 3, k, n))
+    tn = jax.jit(attention._bmm_tn, static_argnums=2)(a, b, jnp.bfloat16)
+    assert tn.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.float32(tn), np.einsum("bhkm,bhkn->bhmn", np.float32(a), np.float32(b)))
+
+
 def test_padded_vocab_logits_give_the_same_loss_and_grads():
     """The training path (``padded_vocab=True``: padding columns at -1e9, no slice) and the public
     path (logits sliced to the real vocabulary) agree on the MLM loss and every gradient."""

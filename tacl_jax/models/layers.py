@@ -67,14 +67,16 @@ def _use_transposed_copy() -> bool:
 
 
 def _transposed_copy(a: jax.Array) -> jax.Array:
-    """``a [M, K] -> aᵀ [K, M]`` as a materialised array that XLA does not fold into a consumer
-    dot (see the module doc): one 3-d transpose ``[M, 2, K/2] -> [2, K/2, M]``; for an odd K the
-    slower concatenation of the transposes of a's two column halves."""
-    m, k = a.shape
+    """``a [..., M, K] -> [..., K, M]`` (the last two axes swapped) as a materialised array that XLA
+    does not fold into a consumer dot (see the module doc): one transpose ``[..., M, 2, K/2] ->
+    [..., 2, K/2, M]``; for an odd K the slower concatenation of the transposes of a's two column
+    halves."""
+    *lead, m, k = a.shape
+    n = len(lead)
     if k % 2 == 0:
-        return a.reshape(m, 2, k // 2).transpose(1, 2, 0).reshape(k, m)
+        return a.reshape(*lead, m, 2, k // 2).transpose(*range(n), n + 1, n + 2, n).reshape(*lead, k, m)
     half = k // 2
-    return jax.lax.concatenate([a[:, :half].T, a[:, half:].T], 0)
+    return jax.lax.concatenate([jnp.swapaxes(a[..., :half], -1, -2), jnp.swapaxes(a[..., half:], -1, -2)], n)
 
 
 def _rows_dot(a: jax.Array, b: jax.Array) -> jax.Array:
