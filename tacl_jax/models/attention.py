@@ -53,14 +53,14 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Ar
     qh = swap((q.astype(jnp.float32) * scale).astype(dtype))   # [B, h, L, d]
     kh, vh = swap(k), swap(v)
     if copies:
-        scores = _scores_for(jnp.dtype(dtype).name)(qh, kh) + bias
+        scores = _product_for(jnp.dtype(dtype).name, True)(qh, kh) + bias
     else:
         scores = jnp.einsum("bhqd,bhkd->bhqk", qh, kh, preferred_element_type=jnp.float32) + bias
     probs = jax.nn.softmax(scores, axis=-1)
     if dropout is not None:
         probs = dropout(probs)
     if copies:
-        ctx = _context_for(jnp.dtype(dtype).name)(probs.astype(dtype), vh)
+        ctx = _product_for(jnp.dtype(dtype).name, False)(probs.astype(dtype), vh)
     else:
         ctx = jnp.einsum("bhqk,bhkd->bhqd", probs.astype(dtype), vh, preferred_element_type=jnp.float32)
     return swap(ctx.astype(dtype))
@@ -101,42 +101,28 @@ def _bmm_tn(a: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=None)
-def _scores_for(dtype_name: str):
-    """``q [B, h, Lq, d] · k [B, h, Lk, d]ᵀ -> [B, h, Lq, Lk]`` (f32), canonical dots both ways."""
+def _product_for(dtype_name: str, rhs_transposed: bool):
+    """The two attention matmuls with canonical dots both ways, f32 results:
+    ``rhs_transposed=True``: ``q [B, h, Lq, d] · k [B, h, Lk, d]ᵀ -> scores [B, h, Lq, Lk]``;
+    ``False``: ``p [B, h, Lq, Lk] · v [B, h, Lk, d] -> context [B, h, Lq, d]``."""
     dt = jnp.dtype(dtype_name)
 
-    @jax.custom_vjp
-    def scores(q, k):
-        return _bmm_nt(q, k, jnp.float32)
-
-    def fwd(q, k):
-        return _bmm_nt(q, k, jnp.float32), (q, k)
-
-    def bwd(res, g):
-        q, k = res
-        g = g.astype(dt)
-        return _bmm(g, k).astype(q.dtype), _bmm_tn(g, q, k.dtype)   # dq = g·k, dk = gᵀ·q
-
-    scores.defvjp(fwd, bwd)
-    return scores
-
-
-@functools.lru_cache(maxsize=None)
-def _context_for(dtype_name: str):
-    """``p [B, h, Lq, Lk] · v [B, h, Lk, d] -> [B, h, Lq, d]`` (f32), canonical dots both ways."""
-    dt = jnp.dtype(dtype_name)
+    def forward(a, b):
+        return _bmm_nt(a, b, jnp.float32) if rhs_transposed else _bmm(a, b)
 
     @jax.custom_vjp
-    def context(p, v):
-        return _bmm(p, v)
+    def product(a, b):
+        return forward(a, b)
 
-    def fwd(p, v):
-        return _bmm(p, v), (p, v)
+    def fwd(a, b):
+        return forward(a, b), (a, b)
 
     def bwd(res, g):
-        p, v = res
+        a, b = res
         g = g.astype(dt)
-        return _bmm_nt(g, v, p.dtype), _bmm_tn(p, g, v.dtype)     # dp = g·vᵀ, dv = pᵀ·g
+        if rhs_transposed:   # y = a·bᵀ: da = g·b, db = gᵀ·a
+            return _bmm(g, b).astype(a.dtype), _bmm_tn(g, a, b.dtype)
+        return _bmm_nt(g, b, a.dtype), _bmm_tn(a, g, b.dtype)   # y = a·b: da = g·bᵀ, db = aᵀ·g
 
-    context.defvjp(fwd, bwd)
-    return context
+    product.defvjp(fwd, bwd)
+    return product
