@@ -8,7 +8,12 @@ Counted (a matmul of ``[m, k] × [k, n]`` is ``2·m·k·n`` FLOPs; element-wise 
   ``2·(d² + d·V)`` — the transform and the tied decoder;
 * student: forward + backward = 3 × forward (encoder + head);
 * teacher (TaCL): one encoder forward, no head, no backward.
-* the token-contrastive scores ``2·L·d`` per token are included for TaCL.
+* TaCL's scores: ``2·L·d`` per anchor forward and again backward (student side only; the teacher
+  gets no gradient), the anchors being every token, or the predicted slots with the gathered
+  last layer;
+* with the gathered last layer (``model.gather_last_layer``: the student's last layer only at
+  the ``P`` predicted positions, the only ones its losses read), that layer counts K and V per
+  token (``2·2·d²``) and the rest per slot (``2·(2·d² + 2·d·I) + 4·L·d``): the FLOPs it does.
 
 MFU = achieved model FLOP/s per device ÷ the device's peak dense bf16 FLOP/s (table below;
 ``config.metrics.peak_flops_per_device`` overrides it, e.g. for fp32 runs or unknown devices).
@@ -37,15 +42,23 @@ def encoder_flops_per_token(layers: int, d: int, ffn: int, length: int) -> float
     return layers * (2 * (4 * d * d + 2 * d * ffn) + 4 * length * d)
 
 
-def step_flops(cfg, *, batch: int, length: int, predictions: int, teacher: bool) -> float:
+def step_flops(cfg, *, batch: int, length: int, predictions: int, teacher: bool,
+               gathered_last_layer: bool = False) -> float:
     """Model FLOPs of one optimizer step over a global batch of ``batch × length`` tokens.
-    ``cfg`` is a ``BertConfig``; ``predictions`` = MLM slots per sequence."""
-    tokens = batch * length
-    enc = encoder_flops_per_token(cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, length)
-    head = 2 * (cfg.hidden_size ** 2 + cfg.hidden_size * cfg.vocab_size) * batch * predictions
-    total = 3 * (enc * tokens + head)
+    ``cfg`` is a ``BertConfig``; ``predictions`` = MLM slots per sequence;
+    ``gathered_last_layer``: the student's last layer only at those slots."""
+    tokens, slots = batch * length, batch * predictions
+    d, ffn, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    enc = encoder_flops_per_token(n, d, ffn, length) * tokens
+    student = enc
+    if gathered_last_layer:
+        student = (encoder_flops_per_token(n - 1, d, ffn, length) * tokens + 2 * 2 * d * d * tokens
+                   + (2 * (2 * d * d + 2 * d * ffn) + 4 * length * d) * slots)
+    head = 2 * (d ** 2 + d * cfg.vocab_size) * slots
+    total = 3 * (student + head)
     if teacher:
-        total += enc * tokens + 3 * 2 * length * cfg.hidden_size * tokens
+        anchors = slots if gathered_last_layer else tokens
+        total += enc + 2 * 2 * length * d * anchors
     return float(total)
 
 

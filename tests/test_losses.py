@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tacl_jax.objectives import mlm_loss, token_contrastive_loss
+from tacl_jax.objectives import mlm_loss, token_contrastive_at, token_contrastive_loss
 
 
 def _naive_tacl(hs, ht, selected, key_mask, tau):
@@ -48,6 +48,33 @@ def test_token_contrastive_loss_matches_naive_loop(with_key_mask, tau):
     ref_loss, ref_acc = _naive_tacl(hs, ht, selected, km, tau)
     np.testing.assert_allclose(float(loss), ref_loss, rtol=2e-4, atol=2e-4)
     np.testing.assert_allclose(float(acc), ref_acc, atol=1e-6)
+    assert 0.0 < ref_acc < 1.0, "the example should have both hits and misses"
+
+
+@pytest.mark.parametrize("with_key_mask", [False, True])
+def test_token_contrastive_at_slots_matches_naive_loop(with_key_mask):
+    """The gathered form (student states only at the anchors' slots, ``[B, P, H]``) against the
+    same per-anchor loop; padding slots (weight 0) point at position 0 and must not count."""
+    rng = np.random.default_rng(3)
+    b, length, h, p = 3, 10, 8, 4
+    ht = rng.normal(size=(b, length, h)).astype(np.float32)
+    hs = (ht + rng.normal(size=(b, length, h)) * 1.5).astype(np.float32)
+    positions = np.zeros((b, p), np.int32)
+    weights = np.zeros((b, p), np.float32)
+    selected = np.zeros((b, length), bool)
+    for i, pos in enumerate(([1, 4, 7, 8], [2, 5], [0, 3, 9])):
+        positions[i, :len(pos)], weights[i, :len(pos)], selected[i, pos] = pos, 1.0, True
+    key_mask = np.ones((b, length), bool)
+    key_mask[1, 7:] = False
+    km = key_mask if with_key_mask else None
+    anchors = np.take_along_axis(hs, positions[..., None], axis=1)
+    nll, correct = token_contrastive_at(jnp.asarray(anchors), jnp.asarray(ht), jnp.asarray(positions),
+                                        None if km is None else jnp.asarray(km), 0.05)
+    loss = float((np.asarray(nll) * weights).sum() / weights.sum())
+    acc = float((np.asarray(correct) * weights).sum() / weights.sum())
+    ref_loss, ref_acc = _naive_tacl(hs, ht, selected, km, 0.05)
+    np.testing.assert_allclose(loss, ref_loss, rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(acc, ref_acc, atol=1e-6)
     assert 0.0 < ref_acc < 1.0, "the example should have both hits and misses"
 
 

@@ -183,18 +183,21 @@ class SelfAttention(nn.Module):
     config: BertConfig
 
     @nn.compact
-    def __call__(self, x, bias, deterministic: bool):
-        """``x [B, L, H]``, additive ``bias [B, 1, 1, L]`` (0 or very negative) -> ``[B, L, H]``."""
+    def __call__(self, x, bias, deterministic: bool, queries=None):
+        """``x [B, L, H]``, additive ``bias [B, 1, 1, L]`` (0 or very negative) -> ``[B, L, H]``;
+        with ``queries [B, P, H]`` (states at P of the L positions), only those attend (keys and
+        values still from every position of ``x``) -> ``[B, P, H]``."""
         cfg = self.config
         dtype, pdtype = to_dtype(cfg.dtype), to_dtype(cfg.param_dtype)
         nh, hd, h = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
         init = nn.initializers.normal(cfg.initializer_range)
 
-        def proj(name):
+        def proj(name, inputs):
             return Dense((h,), (nh, hd), ("embed", "heads", "kv"), dtype=dtype, param_dtype=pdtype,
-                         kernel_init=init, name=name)(x)
+                         kernel_init=init, name=name)(inputs)
 
-        q, k, v = proj("query"), proj("key"), proj("value")
+        q = proj("query", x if queries is None else queries)
+        k, v = proj("key", x), proj("value", x)
         q = nn.with_logical_constraint(q, ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
         drop = Dropout(cfg.attention_probs_dropout_prob, cfg.dropout_bits)
         ctx = dot_product_attention(q, k, v, bias, dropout=lambda p: drop(p, deterministic=deterministic))
@@ -203,18 +206,33 @@ class SelfAttention(nn.Module):
         return out
 
 
+def take_positions(x: jax.Array, positions: jax.Array) -> jax.Array:
+    """``x [B, L, ...]``, ``positions [B, P]`` (int) -> ``x`` at those positions, ``[B, P, ...]``."""
+    idx = positions.astype(jnp.int32).reshape(positions.shape + (1,) * (x.ndim - 2))
+    return jnp.take_along_axis(x, idx, axis=1)
+
+
 class Layer(nn.Module):
-    """A post-LN transformer layer: ``x = LN(x + Attn(x)); x = LN(x + FFN(x))``."""
+    """A post-LN transformer layer: ``x = LN(x + Attn(x)); x = LN(x + FFN(x))``.
+
+    ``positions [B, P]`` (optional): compute the output only at those positions, ``[B, P, H]``.
+    Each position's output depends on the other positions only through the keys and values, so
+    they are computed from every position and everything else (queries, the attention output,
+    both LayerNorms, the FFN) from the P positions alone: equal to the full layer's output there.
+    """
 
     config: BertConfig
 
     @nn.compact
-    def __call__(self, x, bias, deterministic: bool):
+    def __call__(self, x, bias, deterministic: bool, positions=None):
         cfg = self.config
         dtype, pdtype = to_dtype(cfg.dtype), to_dtype(cfg.param_dtype)
         init = nn.initializers.normal(cfg.initializer_range)
-        a = SelfAttention(cfg, name="attention")(x, bias, deterministic)
+        xq = None if positions is None else take_positions(x, positions)
+        a = SelfAttention(cfg, name="attention")(x, bias, deterministic, queries=xq)
         a = Dropout(cfg.hidden_dropout_prob, cfg.dropout_bits)(a, deterministic=deterministic)
+        if xq is not None:
+            x = xq
         x = LayerNorm(cfg.layer_norm_eps, dtype, pdtype, name="attention_norm")(
             x.astype(jnp.float32) + a.astype(jnp.float32))
         hmid = Dense((cfg.hidden_size,), (cfg.intermediate_size,), ("embed", "mlp"), dtype=dtype,
@@ -244,13 +262,20 @@ class Encoder(nn.Module):
     config: BertConfig
 
     @nn.compact
-    def __call__(self, x, bias, deterministic: bool, output_hidden_states: bool):
+    def __call__(self, x, bias, deterministic: bool, output_hidden_states: bool, last_positions=None):
+        """``last_positions [B, P]``: the last layer only at those positions (``Layer``), so the
+        output (and the last entry of the hidden states) is ``[B, P, H]``. Unrolled layers only."""
         cls = _layer_class(self.config.remat_policy)
+        n = self.config.num_hidden_layers
         if self.config.scan_layers:
+            if last_positions is not None:
+                raise ValueError("last_layer_positions needs the unrolled encoder (scan_layers=False): "
+                                 "the scanned encoder has one layer body for every layer")
             return self._scanned(cls, x, bias, deterministic, output_hidden_states)
         states = [x] if output_hidden_states else None
-        for i in range(self.config.num_hidden_layers):
-            x = cls(self.config, name=f"layer_{i}")(x, bias, deterministic)
+        for i in range(n):
+            x = cls(self.config, name=f"layer_{i}")(x, bias, deterministic,
+                                                    last_positions if i == n - 1 else None)
             if output_hidden_states:
                 states.append(x)
         return x, (tuple(states) if output_hidden_states else None)
@@ -321,6 +346,12 @@ class BertModel(nn.Module):
         ~15% of the vocabulary-projection cost) and NSP logits when the model has the heads.
       * ``heads=False``: the encoder only (what the frozen teacher needs).
       * ``padded_vocab=True``: MLM logits over the padded vocabulary (see ``mlm_logits``).
+      * ``last_layer_positions [B, P]``: the last encoder layer only at those positions (what
+        MLM and TaCL read when only the predicted positions matter: the train step's
+        ``gather_last_layer``). ``last_hidden_state`` and the MLM logits are then ``[B, P, ...]``
+        at those positions (``mlm_positions`` must be None); the pooler and NSP, which read
+        [CLS], are computed only when the model has the NSP head, from an extra slot the model
+        adds for position 0 (``pooled`` is None otherwise). Unrolled encoder only.
     """
 
     config: BertConfig
@@ -346,7 +377,7 @@ class BertModel(nn.Module):
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, *, deterministic: bool = True,
                  output_hidden_states: bool = False, mlm_positions=None, heads: bool = True,
-                 padded_vocab: bool = False) -> BertOutput:
+                 padded_vocab: bool = False, last_layer_positions=None) -> BertOutput:
         cfg = self.config
         if attention_mask is None:
             attention_mask = jnp.ones_like(input_ids)
@@ -357,14 +388,30 @@ class BertModel(nn.Module):
                              f"{cfg.max_position_embeddings}; shorten max_len")
         x = self.embeddings(input_ids, token_type_ids, deterministic)
         bias = jnp.where(attention_mask[:, None, None, :] > 0, 0.0, jnp.finfo(jnp.float32).min)
-        x, states = self.encoder(x, bias, deterministic, output_hidden_states)
+        gathered = last_layer_positions is not None
+        cls_slot = gathered and heads and cfg.with_nsp_head
+        if gathered:
+            if mlm_positions is not None:
+                raise ValueError("pass either mlm_positions or last_layer_positions (the MLM head then "
+                                 "reads every gathered slot), not both")
+            if cls_slot:   # NSP reads [CLS]: one extra slot at position 0, split off below
+                last_layer_positions = jnp.concatenate(
+                    [jnp.zeros_like(last_layer_positions[:, :1]), last_layer_positions], axis=1)
+        x, states = self.encoder(x, bias, deterministic, output_hidden_states, last_layer_positions)
+        cls_state = None
+        if cls_slot:
+            cls_state, x = x[:, 0], x[:, 1:]
+            if states is not None:
+                states = states[:-1] + (x,)
+        elif not gathered:
+            cls_state = x[:, 0]
         out = BertOutput(last_hidden_state=x, hidden_states=states)
         if not heads:
             return out
         if cfg.with_mlm_head:
             out = out.replace(mlm_logits=self.mlm_logits(x, mlm_positions, padded_vocab))
-        if cfg.with_pooler or cfg.with_nsp_head:
-            pooled = jnp.tanh(self.pooler(x[:, 0]).astype(jnp.float32))
+        if (cfg.with_pooler or cfg.with_nsp_head) and cls_state is not None:
+            pooled = jnp.tanh(self.pooler(cls_state).astype(jnp.float32))
             out = out.replace(pooled=pooled)
             if cfg.with_nsp_head:
                 out = out.replace(nsp_logits=self.nsp(pooled))

@@ -12,7 +12,7 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 
-from tacl_jax.objectives.contrastive import token_contrastive_per_token
+from tacl_jax.objectives.contrastive import token_contrastive_at, token_contrastive_per_token
 from tacl_jax.objectives.masking import Masked
 from tacl_jax.objectives.mlm import mlm_per_position
 
@@ -25,18 +25,26 @@ RATIOS = {"mlm_loss": ("mlm_nll", "n_pred"), "mlm_acc": ("mlm_correct", "n_pred"
 def objective_sums(*, mlm_logits: jax.Array | None, masked: Masked, student_hidden: jax.Array | None = None,
                    teacher_hidden: jax.Array | None = None, key_mask: jax.Array | None = None,
                    temperature: float = 0.01, nsp_logits: jax.Array | None = None,
-                   nsp_labels: jax.Array | None = None) -> dict[str, jax.Array]:
+                   nsp_labels: jax.Array | None = None, student_at_slots: bool = False) -> dict[str, jax.Array]:
     """Loss sums and counts of one (micro-)batch. Shapes: ``mlm_logits [B, P, V]`` at
-    ``masked.positions``, hidden states ``[B, L, H]``, ``key_mask [B, L]`` or None,
-    ``nsp_logits [B, 2]``, ``nsp_labels [B]``. Terms whose inputs are None are left out."""
+    ``masked.positions``, ``teacher_hidden [B, L, H]``, ``student_hidden [B, L, H]`` or, with
+    ``student_at_slots``, ``[B, P, H]`` at ``masked.positions`` (the gathered last layer; the
+    anchors are then the slots of weight 1, the same set as ``masked.selected``), ``key_mask
+    [B, L]`` or None, ``nsp_logits [B, 2]``, ``nsp_labels [B]``. Terms whose inputs are None are
+    left out."""
     out = {}
     if mlm_logits is not None:
         nll, correct = mlm_per_position(mlm_logits, masked.targets)
         w = masked.weights
         out.update(mlm_nll=(nll * w).sum(), mlm_correct=(correct * w).sum(), n_pred=w.sum())
     if teacher_hidden is not None:
-        nll, correct = token_contrastive_per_token(student_hidden, teacher_hidden, key_mask, temperature)
-        m = masked.selected.astype(jnp.float32)
+        if student_at_slots:
+            nll, correct = token_contrastive_at(student_hidden, teacher_hidden, masked.positions, key_mask,
+                                                temperature)
+            m = masked.weights.astype(jnp.float32)
+        else:
+            nll, correct = token_contrastive_per_token(student_hidden, teacher_hidden, key_mask, temperature)
+            m = masked.selected.astype(jnp.float32)
         out.update(tacl_nll=(nll * m).sum(), tacl_correct=(correct * m).sum(), n_anchor=m.sum())
     if nsp_logits is not None:
         logp = jax.nn.log_softmax(nsp_logits.astype(jnp.float32), axis=-1)

@@ -29,14 +29,26 @@ def token_contrastive_per_token(student_hidden: jax.Array, teacher_hidden: jax.A
     ``key_mask=None`` keeps every key position in the softmax (the original, which pads to a fixed
     length and keeps [PAD] keys); an array excludes keys where it is 0.
     """
-    hs = _normalize(student_hidden)
+    b, length = student_hidden.shape[:2]
+    every = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
+    return token_contrastive_at(student_hidden, teacher_hidden, every, key_mask, temperature)
+
+
+def token_contrastive_at(student_anchors: jax.Array, teacher_hidden: jax.Array, positions: jax.Array,
+                         key_mask: jax.Array | None, temperature: float) -> tuple[jax.Array, jax.Array]:
+    """The loss of the anchors at ``positions [B, P]`` only: ``student_anchors [B, P, H]`` (the
+    student's states there), ``teacher_hidden [B, L, H]`` (every position: the keys),
+    ``key_mask [B, L]`` or None -> ``(nll [B, P], correct [B, P])``. The positive of slot p is
+    the teacher's state at ``positions[b, p]``. Scores are ``[B, P, L]``, not ``[B, L, L]``."""
+    hs = _normalize(student_anchors)
     ht = _normalize(jax.lax.stop_gradient(teacher_hidden))
-    scores = jnp.einsum("bid,bjd->bij", hs, ht, preferred_element_type=jnp.float32) / temperature
+    scores = jnp.einsum("bpd,bjd->bpj", hs, ht, preferred_element_type=jnp.float32) / temperature
     if key_mask is not None:
         scores = jnp.where(key_mask[:, None, :] > 0, scores, _NEG)
     logz = jax.nn.logsumexp(scores, axis=-1)
-    positive = jnp.diagonal(scores, axis1=1, axis2=2)
-    correct = (jnp.argmax(scores, axis=-1) == jnp.arange(scores.shape[1])[None]).astype(jnp.float32)
+    positions = positions.astype(jnp.int32)
+    positive = jnp.take_along_axis(scores, positions[..., None], axis=-1)[..., 0]
+    correct = (jnp.argmax(scores, axis=-1) == positions).astype(jnp.float32)
     return logz - positive, correct
 
 

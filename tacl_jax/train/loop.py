@@ -28,7 +28,7 @@ from tacl_jax.objectives.coco_lm import coco_ratios
 from tacl_jax.train import coco_step
 from tacl_jax.train.optimizer import make_optimizer
 from tacl_jax.train.state import TrainState
-from tacl_jax.train.step import StepConfig, make_train_step, step_config_from
+from tacl_jax.train.step import StepConfig, make_train_step, step_config_from, student_forward
 
 log = logging.getLogger(__name__)
 
@@ -363,8 +363,8 @@ def make_eval_step(model: BertModel, step_cfg: StepConfig, teacher_model: BertMo
                              mask_prob=step_cfg.mask_prob, replace_prob=step_cfg.replace_prob,
                              random_prob=step_cfg.random_prob,
                              word_starts=batch.get("word_starts") if step_cfg.whole_word else None)
-        out = model.apply({"params": params}, masked.input_ids, batch["attention_mask"], batch["token_type_ids"],
-                          deterministic=True, mlm_positions=masked.positions)
+        out = student_forward(model, step_cfg, params, masked.input_ids, batch["attention_mask"],
+                              batch["token_type_ids"], masked.positions, deterministic=True)
         teacher_hidden = None
         if teacher_params is not None:
             teacher_hidden = teacher_model.apply({"params": teacher_params}, batch["input_ids"],
@@ -373,7 +373,7 @@ def make_eval_step(model: BertModel, step_cfg: StepConfig, teacher_model: BertMo
         return objective_sums(mlm_logits=out.mlm_logits, masked=masked, student_hidden=out.last_hidden_state,
                               teacher_hidden=teacher_hidden,
                               key_mask=batch["attention_mask"] if step_cfg.mask_pad_keys else None,
-                              temperature=step_cfg.temperature)
+                              temperature=step_cfg.temperature, student_at_slots=step_cfg.gather_last_layer)
     return eval_step
 
 
@@ -419,6 +419,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     tok_dir = config.init.tokenizer_path or config.init.hf_path
     special = tokens.run_special_ids(tok_dir, model.config.vocab_size)
     step_cfg = coco_step.coco_step_config_from(config, special, mesh) if coco else step_config_from(config, special)
+    if not coco and config.model.gather_last_layer and not step_cfg.gather_last_layer:
+        log.info("model.gather_last_layer: off with model.scan_layers=True (one layer body for every "
+                 "layer); the student's last layer runs at every position")
     tx, schedule = make_optimizer(config.optim, config.num_train_steps)
     abstract_state, state_sh = state_shardings(model, tx, mesh, rules, config.max_len)
 
@@ -500,7 +503,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         train_step = make_train_step(model, step_cfg, tx, schedule, teacher_model=teacher_model)
         eval_step, eval_ratios = make_eval_step(model, step_cfg, teacher_model), ratios
         flops = step_flops(model.config, batch=config.global_batch_size, length=config.max_len,
-                           predictions=step_cfg.max_predictions, teacher=step_cfg.uses_teacher)
+                           predictions=step_cfg.max_predictions, teacher=step_cfg.uses_teacher,
+                           gathered_last_layer=step_cfg.gather_last_layer)
     batch_sh = None  # inferred from the global arrays (rows over data × fsdp)
     p_step = jax.jit(train_step, in_shardings=(state_sh, teacher_sh, batch_sh, parallel.replicated(mesh)),
                      out_shardings=(state_sh, parallel.replicated(mesh)), donate_argnums=(0,))

@@ -42,6 +42,9 @@ class StepConfig:
     mask_pad_keys: bool = True
     teacher_dropout: bool = False
     nsp: bool = False
+    # The student's last layer only at the predicted positions (BertModel's last_layer_positions):
+    # with NSP off, MLM and TaCL read nothing else of it. Off for the scanned encoder.
+    gather_last_layer: bool = True
     weights: tuple[tuple[str, float], ...] = (("mlm", 1.0), ("tacl", 1.0), ("nsp", 1.0))
     grad_accum_steps: int = 1
 
@@ -54,6 +57,19 @@ def _split_micro(x: jax.Array, k: int) -> jax.Array:
     """``[B, ...] -> [k, B/k, ...]`` taking rows i, i+k, i+2k, ... into micro-batch i, so every
     data-parallel shard contributes equally to each micro-batch (no resharding)."""
     return jnp.swapaxes(x.reshape((x.shape[0] // k, k) + x.shape[1:]), 0, 1)
+
+
+def student_forward(model: BertModel, step_cfg: StepConfig, params, masked_ids: jax.Array,
+                    attention_mask: jax.Array, token_type_ids: jax.Array, positions: jax.Array, *,
+                    deterministic: bool, padded_vocab: bool = False, rngs: dict | None = None):
+    """The student's forward for the objective: ``mlm_logits [B, P, V]`` at ``positions [B, P]``
+    and ``last_hidden_state`` ``[B, P, H]`` there when ``step_cfg.gather_last_layer`` (the last
+    layer computed only at the predicted positions), else ``[B, L, H]``. ``objective_sums``
+    takes the latter form with ``student_at_slots=step_cfg.gather_last_layer``."""
+    where = (dict(last_layer_positions=positions) if step_cfg.gather_last_layer
+             else dict(mlm_positions=positions))
+    return model.apply({"params": params}, masked_ids, attention_mask, token_type_ids, deterministic=deterministic,
+                       padded_vocab=padded_vocab, rngs=rngs, **where)
 
 
 def make_loss_and_grads(model: BertModel, step_cfg: StepConfig,
@@ -79,14 +95,14 @@ def make_loss_and_grads(model: BertModel, step_cfg: StepConfig,
                                     mb["token_type_ids"], deterministic=not sc.teacher_dropout, heads=False,
                                     rngs={"dropout": d_teacher})
             teacher_hidden = jax.lax.stop_gradient(t.last_hidden_state)
-        out = model.apply({"params": params}, mb["masked_ids"], mb["attention_mask"], mb["token_type_ids"],
-                          deterministic=False, mlm_positions=mb["positions"], padded_vocab=True,
-                          rngs={"dropout": d_student})
+        out = student_forward(model, sc, params, mb["masked_ids"], mb["attention_mask"], mb["token_type_ids"],
+                              mb["positions"], deterministic=False, padded_vocab=True,
+                              rngs={"dropout": d_student})
         sums = objective_sums(
             mlm_logits=out.mlm_logits, masked=_masked_from(mb), student_hidden=out.last_hidden_state,
             teacher_hidden=teacher_hidden, key_mask=mb["attention_mask"] if sc.mask_pad_keys else None,
             temperature=sc.temperature, nsp_logits=out.nsp_logits if sc.nsp else None,
-            nsp_labels=mb.get("next_sentence_label"))
+            nsp_labels=mb.get("next_sentence_label"), student_at_slots=sc.gather_last_layer)
         return total_loss(sums, counts, weights), sums
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -164,7 +180,9 @@ def step_config_from(config, special: dict[str, int]) -> StepConfig:
         mask_prob=m.mask_prob, replace_prob=m.replace_prob, random_prob=m.random_prob,
         whole_word=m.whole_word, temperature=config.tacl.temperature, mask_pad_keys=config.tacl.mask_pad_keys,
         teacher_dropout=config.tacl.teacher_dropout, nsp=config.nsp,
+        # The scanned encoder has one body for every layer, so its last cannot be narrower.
+        gather_last_layer=bool(config.model.get("gather_last_layer", True)) and not config.model.scan_layers,
         weights=tuple(sorted(dict(config.loss_weights).items())), grad_accum_steps=config.grad_accum_steps)
 
 
-__all__: Sequence[str] = ("StepConfig", "make_loss_and_grads", "make_train_step", "step_config_from")
+__all__: Sequence[str] = ("StepConfig", "student_forward", "make_loss_and_grads", "make_train_step", "step_config_from")
