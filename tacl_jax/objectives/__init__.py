@@ -7,5 +7,5 @@ from tacl_jax.objectives.masking import Masked, mask_tokens, num_predictions
 from tacl_jax.objectives.mlm import mlm_loss, mlm_per_position
 
 __all__ = ["Masked", "mask_tokens", "num_predictions", "mlm_loss", "mlm_per_position",
-           "token_contrastive_at", "token_contrastive_loss", "token_contrastive_per_token", "objective_sums", "ratios",
-           "total_loss"]
+           "token_contrastive_at", "token_contrastive_loss", "token_contrastive_per_token",
+           "objective_sums", "ratios", "total_loss"]
