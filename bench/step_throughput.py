@@ -58,8 +58,9 @@ N layers, hidden d, ffn I, length L, vocabulary V, P MLM slots per sequence):
   used for the peer (which in fact computes the vocabulary projection and the last layer at all L
   positions, so its hardware FLOPs are higher): ``mfu`` ratios equal ``tokens/s`` ratios.
   ``--full_flops`` counts the last layer and the TaCL scores at every position instead (the
-  formula before the gathered last layer: 12.4% more FLOPs per token at ``small``, 4.6% at ``base``). ``P = round(0.15·L)``
-  (19 at L = 128), what both implementations predict at most per sequence.
+  formula before the gathered last layer: 12.4% more FLOPs per token at ``small``, 4.6% at
+  ``base``). ``P = round(0.15·L)`` (19 at L = 128), what both implementations predict at most per
+  sequence.
 
 Targets (issue 5, 2-core CPU): fp32 ratio >= 2.5 (small) / 2.2 (base); default-precision ratio
 >= 3.5 / 3.0; MFU at base >= 75% of the f32 peak in fp32 and >= 45% of the default precision's own
