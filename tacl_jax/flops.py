@@ -8,9 +8,8 @@ Counted (a matmul of ``[m, k] × [k, n]`` is ``2·m·k·n`` FLOPs; element-wise 
   ``2·(d² + d·V)`` — the transform and the tied decoder;
 * student: forward + backward = 3 × forward (encoder + head);
 * teacher (TaCL): one encoder forward, no head, no backward.
-* TaCL's scores: ``2·L·d`` per anchor forward and again backward (student side only; the teacher
-  gets no gradient), the anchors being every token, or the predicted slots with the gathered
-  last layer;
+* TaCL's scores: ``2·L·d`` per anchor (the predicted slots: only their scores are computed)
+  forward and again backward (student side only; the teacher gets no gradient);
 * with the gathered last layer (``model.gather_last_layer``: the student's last layer only at
   the ``P`` predicted positions, the only ones its losses read), that layer counts K and V per
   token (``2·2·d²``) and the rest per slot (``2·(2·d² + 2·d·I) + 4·L·d``): the FLOPs it does.
@@ -57,8 +56,7 @@ def step_flops(cfg, *, batch: int, length: int, predictions: int, teacher: bool,
     head = 2 * (d ** 2 + d * cfg.vocab_size) * slots
     total = 3 * (student + head)
     if teacher:
-        anchors = slots if gathered_last_layer else tokens
-        total += enc + 2 * 2 * length * d * anchors
+        total += enc + 2 * 2 * length * d * slots
     return float(total)
 
 

@@ -2,12 +2,8 @@
 the default for TaCL/MLM): the model's outputs there, the step's loss and gradients, and the FLOPs
 formula against the full last layer and against the compiled step's own matmuls."""
 
-import math
-import re
-
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -15,6 +11,7 @@ from tacl_jax.flops import step_flops
 from tacl_jax.models import BertConfig, BertModel
 from tacl_jax.train import loop
 from tacl_jax.train.step import make_loss_and_grads
+import hlo_text
 from test_train import _assert_trees_close, _batch, _grads, _setup, tiny_config
 
 SINGLE = dict(data=1, fsdp=1, tensor=1)
@@ -93,17 +90,8 @@ def test_scanned_encoder_keeps_the_full_last_layer():
 def _dot_flops(hlo: str) -> float:
     """Σ 2·|out|·|contracted| over the dots of compiled HLO text, leaving out the ``ones · g``
     bias-gradient products (an operand with a unit dimension), which the formula ignores."""
-    def dims(text):
-        return [int(x) for x in text.split(",") if x]
-    shapes = {m.group(1): dims(m.group(2)) for m in re.finditer(r"%([\w.\-]+) = \w+\[([\d,]*)\]", hlo)}
-    total = 0
-    for m in re.finditer(r"%([\w.\-]+) = \w+\[([\d,]*)\]\S* dot\(%([\w.\-]+), %([\w.\-]+)\)(.*)", hlo):
-        out, lhs, rhs = dims(m.group(2)), shapes[m.group(3)], shapes[m.group(4)]
-        if 1 in lhs or 1 in rhs or 1 in out:
-            continue
-        contracting = dims(re.search(r"lhs_contracting_dims=\{([\d,]*)\}", m.group(5)).group(1))
-        total += 2 * math.prod(out) * math.prod(lhs[i] for i in contracting)
-    return float(total)
+    return float(sum(d.flops for d in hlo_text.dots(hlo)
+                     if 1 not in d.lhs_shape + d.rhs_shape + d.out_shape))
 
 
 @pytest.mark.parametrize("gather", [True, False])

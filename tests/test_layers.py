@@ -6,7 +6,6 @@ the values and every gradient are those of the textbook formulas.
 """
 
 import math
-import re
 
 import flax.linen as nn
 import jax
@@ -19,6 +18,8 @@ from tacl_jax.models.attention import dot_product_attention
 from tacl_jax.models import layers
 from tacl_jax.models.layers import gelu, matmul, tied_decoder
 from tacl_jax.objectives import mlm_per_position
+
+import hlo_text
 
 
 def _rand(key, shape, scale=1.0):
@@ -96,10 +97,8 @@ def test_transposed_copy_is_the_transpose(shape):
 
 
 def _dots(hlo: str) -> list[tuple[str, str, str]]:
-    """``(result type, lhs dtype, rhs dtype)`` of every dot in compiled HLO text."""
-    types = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", hlo))
-    return [(m.group(2), types.get(m.group(3)), types.get(m.group(4)))
-            for m in re.finditer(r"%([\w.\-]+) = (\w+\[[\d,]*\])\S* dot\(%([\w.\-]+), %([\w.\-]+)\)", hlo)]
+    """``(result dtype, lhs dtype, rhs dtype)`` of every dot in compiled HLO text."""
+    return [(d.out_dtype, d.lhs_dtype, d.rhs_dtype) for d in hlo_text.dots(hlo)]
 
 
 def test_transposed_copy_by_default_only_on_cpus_with_bf16_units(monkeypatch):

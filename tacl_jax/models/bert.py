@@ -427,7 +427,7 @@ class BertModel(nn.Module):
         """
         cfg = self.config
         if positions is not None:
-            hidden = jnp.take_along_axis(hidden, positions[..., None].astype(jnp.int32), axis=1)
+            hidden = take_positions(hidden, positions)
         h = gelu(self.mlm_transform(hidden))
         h = self.mlm_norm(h)
         bias, padded = self.mlm_bias.astype(jnp.float32), cfg.padded_vocab_size != cfg.vocab_size

@@ -30,7 +30,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from tacl_jax.models.bert import BertConfig, BertModel, to_dtype
+from tacl_jax.models.bert import BertConfig, BertModel, take_positions, to_dtype
 from tacl_jax.models.layers import Dense, LayerNorm, gelu
 
 SAMPLE_MODES = ("eval", "train")
@@ -123,7 +123,7 @@ class CocoLM:
 
     def clm_logits(self, params: dict, hidden: jax.Array, positions: jax.Array) -> jax.Array:
         """Corrective LM ``h·Eᵀ + b`` at ``positions [B, P]`` -> ``[B, P, V]`` f32 (V unpadded)."""
-        h = jnp.take_along_axis(hidden, positions[..., None].astype(jnp.int32), axis=1)
+        h = take_positions(hidden, positions)
         main = params["main"]
         logits = self.main.apply({"params": main}, h, main["mlm_bias"],
                                  method=lambda m, x, b: m.embeddings.attend(x, b))

@@ -12,7 +12,7 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 
-from tacl_jax.objectives.contrastive import token_contrastive_at, token_contrastive_per_token
+from tacl_jax.objectives.contrastive import token_contrastive_at
 from tacl_jax.objectives.masking import Masked
 from tacl_jax.objectives.mlm import mlm_per_position
 
@@ -28,8 +28,8 @@ def objective_sums(*, mlm_logits: jax.Array | None, masked: Masked, student_hidd
                    nsp_labels: jax.Array | None = None, student_at_slots: bool = False) -> dict[str, jax.Array]:
     """Loss sums and counts of one (micro-)batch. Shapes: ``mlm_logits [B, P, V]`` at
     ``masked.positions``, ``teacher_hidden [B, L, H]``, ``student_hidden [B, L, H]`` or, with
-    ``student_at_slots``, ``[B, P, H]`` at ``masked.positions`` (the gathered last layer; the
-    anchors are then the slots of weight 1, the same set as ``masked.selected``), ``key_mask
+    ``student_at_slots``, ``[B, P, H]`` at ``masked.positions`` (the gathered last layer); the
+    anchors are the slots of weight 1 either way (the same set as ``masked.selected``), ``key_mask
     [B, L]`` or None, ``nsp_logits [B, 2]``, ``nsp_labels [B]``. Terms whose inputs are None are
     left out."""
     out = {}
@@ -38,13 +38,11 @@ def objective_sums(*, mlm_logits: jax.Array | None, masked: Masked, student_hidd
         w = masked.weights
         out.update(mlm_nll=(nll * w).sum(), mlm_correct=(correct * w).sum(), n_pred=w.sum())
     if teacher_hidden is not None:
-        if student_at_slots:
-            nll, correct = token_contrastive_at(student_hidden, teacher_hidden, masked.positions, key_mask,
-                                                temperature)
-            m = masked.weights.astype(jnp.float32)
-        else:
-            nll, correct = token_contrastive_per_token(student_hidden, teacher_hidden, key_mask, temperature)
-            m = masked.selected.astype(jnp.float32)
+        # Only the anchors' scores are needed: [B, P, L], not [B, L, L] (padding slots weigh 0).
+        anchors = student_hidden if student_at_slots else jnp.take_along_axis(
+            student_hidden, masked.positions[..., None].astype(jnp.int32), axis=1)
+        nll, correct = token_contrastive_at(anchors, teacher_hidden, masked.positions, key_mask, temperature)
+        m = masked.weights.astype(jnp.float32)
         out.update(tacl_nll=(nll * m).sum(), tacl_correct=(correct * m).sum(), n_anchor=m.sum())
     if nsp_logits is not None:
         logp = jax.nn.log_softmax(nsp_logits.astype(jnp.float32), axis=-1)
