@@ -68,8 +68,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.vocab_multiple = 128
     # TaCL/MLM steps: the student's last layer only at the predicted positions (~15%), the only ones
     # MLM and TaCL read (keys/values still from every position; same loss; 12.4% fewer FLOPs at the
-    # bench's 'small', 4.6% at bert-base). Not with scan_layers (one body for every layer): the loop
-    # logs that and runs the full last layer. NSP adds [CLS] as one more slot.
+    # bench's 'small', 4.6% at bert-base). With scan_layers the scan covers the first N-1 layers and
+    # the last runs on its own (tacl_jax.models.bert). NSP adds [CLS] as one more slot.
     c.model.gather_last_layer = True
 
     c.masking = ml_collections.ConfigDict()

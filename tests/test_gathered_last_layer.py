@@ -9,6 +9,7 @@ import pytest
 
 from tacl_jax.flops import step_flops
 from tacl_jax.models import BertConfig, BertModel
+from tacl_jax.models.bert import Layer
 from tacl_jax.train import loop
 from tacl_jax.train.step import make_loss_and_grads
 import hlo_text
@@ -32,8 +33,9 @@ def _model_and_inputs(**overrides):
     return model, nn.meta.unbox(params), (ids, mask, types), positions
 
 
-@pytest.mark.parametrize("overrides", [dict(), dict(with_nsp_head=True), dict(remat_policy="full")],
-                         ids=["plain", "nsp", "remat"])
+@pytest.mark.parametrize("overrides", [dict(), dict(with_nsp_head=True), dict(remat_policy="full"),
+                                       dict(scan_layers=True), dict(scan_layers=True, remat_policy="full")],
+                         ids=["plain", "nsp", "remat", "scan", "scan_remat"])
 def test_model_outputs_at_positions_equal_the_full_model(overrides):
     model, params, args, positions = _model_and_inputs(**overrides)
     full = model.apply({"params": params}, *args, output_hidden_states=True, mlm_positions=positions)
@@ -56,17 +58,51 @@ def test_model_refuses_positions_it_cannot_honour():
     model, params, args, positions = _model_and_inputs()
     with pytest.raises(ValueError, match="either mlm_positions or last_layer_positions"):
         model.apply({"params": params}, *args, mlm_positions=positions, last_layer_positions=positions)
-    scanned, sparams, _, _ = _model_and_inputs(scan_layers=True)
-    with pytest.raises(ValueError, match="scan_layers=False"):
-        scanned.apply({"params": sparams}, *args, last_layer_positions=positions)
 
 
-@pytest.mark.parametrize("nsp", [False, True])
-def test_step_loss_and_grads_equal_the_full_last_layer(nsp):
+def test_scanned_encoder_with_gathered_last_layer_drops_out_in_every_layer():
+    """The scanned encoder's gathered path (a scan over the first N-1 slices of the stacked params,
+    then the last layer alone) applies dropout in every layer with the dropout stream: each layer's
+    output differs from that layer run deterministically on the same input, the draws repeat with
+    the key and change with it; and the stacked params (made by the full scan) get every gradient."""
+    model, params, (ids, mask, types), positions = _model_and_inputs(scan_layers=True, hidden_dropout_prob=0.2,
+                                                                     attention_probs_dropout_prob=0.2)
+    n = model.config.num_hidden_layers
+
+    @jax.jit
+    def run(key):
+        return model.apply({"params": params}, ids, mask, types, deterministic=False, output_hidden_states=True,
+                           last_layer_positions=positions, rngs={"dropout": jax.random.key(key)})
+
+    out, again, other = run(1), run(1), run(2)
+    np.testing.assert_array_equal(np.asarray(out.mlm_logits), np.asarray(again.mlm_logits))
+    assert np.abs(np.asarray(out.mlm_logits) - np.asarray(other.mlm_logits)).max() > 1e-3
+    bias = np.where(mask[:, None, None, :] > 0, 0.0, np.finfo(np.float32).min).astype(np.float32)
+    stacked = params["encoder"]["layers"]
+    for i in range(n):
+        pos = positions if i == n - 1 else None
+        plain = jax.jit(Layer(model.config).apply, static_argnums=3)(
+            {"params": jax.tree.map(lambda a: a[i], stacked)}, out.hidden_states[i], bias, True, pos)
+        assert plain.shape == out.hidden_states[i + 1].shape
+        assert np.abs(np.asarray(plain) - np.asarray(out.hidden_states[i + 1])).max() > 1e-3, f"layer {i}"
+
+    def loss(p):
+        o = model.apply({"params": p}, ids, mask, types, deterministic=False, last_layer_positions=positions,
+                        rngs={"dropout": jax.random.key(1)})
+        return (o.mlm_logits ** 2).mean()
+
+    grads = jax.jit(jax.grad(loss))(params)["encoder"]["layers"]
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        assert g.shape[0] == n and all(np.abs(np.asarray(g[i])).max() > 0 for i in range(n)), path
+
+
+@pytest.mark.parametrize("nsp,scan", [(False, False), (True, False), (False, True)], ids=["plain", "nsp", "scan"])
+def test_step_loss_and_grads_equal_the_full_last_layer(nsp, scan):
     """Same loss terms, same gradients; without dropout, whose masks are drawn for other shapes."""
     results = {}
     for gather in (True, False):
         config = tiny_config(nsp=nsp)
+        config.model.scan_layers = scan
         config.model.gather_last_layer = gather
         config.model.hidden_dropout_prob = config.model.attention_probs_dropout_prob = 0.0
         s = _setup(config, SINGLE, jax.devices()[:1])
@@ -78,13 +114,6 @@ def test_step_loss_and_grads_equal_the_full_last_layer(nsp):
     for k in s0:
         np.testing.assert_allclose(s1[k], s0[k], rtol=1e-5, atol=1e-5, err_msg=k)
     _assert_trees_close(g1, g0, rtol=1e-4, atol=1e-6, leaf_atol=1e-4)
-
-
-def test_scanned_encoder_keeps_the_full_last_layer():
-    config = tiny_config()
-    config.model.scan_layers = True
-    s = _setup(config, SINGLE, jax.devices()[:1])
-    assert s["step_cfg"].gather_last_layer is False
 
 
 def _dot_flops(hlo: str) -> float:

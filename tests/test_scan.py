@@ -131,6 +131,8 @@ def test_train_loss_and_grads_equal_unrolled(policy):
     mesh = dict(data=2, fsdp=2, tensor=2)     # the stacked params sharded over fsdp and tensor
     ref = _setup(_scan_config(False, policy), mesh, jax.devices())
     s = _setup(_scan_config(True, policy), mesh, jax.devices())
+    # Both with the last layer at the predicted positions (the scanned one: a scan over N-1 layers).
+    assert ref["step_cfg"].gather_last_layer and s["step_cfg"].gather_last_layer
     # The scanned state and teacher get the unrolled run's weights, restacked.
     stacked = stack_layers(jax.device_get(ref["state"].params))
     with jax.set_mesh(s["mesh"]):

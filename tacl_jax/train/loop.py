@@ -419,9 +419,6 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     tok_dir = config.init.tokenizer_path or config.init.hf_path
     special = tokens.run_special_ids(tok_dir, model.config.vocab_size)
     step_cfg = coco_step.coco_step_config_from(config, special, mesh) if coco else step_config_from(config, special)
-    if not coco and config.model.get("gather_last_layer", True) and not step_cfg.gather_last_layer:
-        log.info("model.gather_last_layer: off with model.scan_layers=True (one layer body for every "
-                 "layer); the student's last layer runs at every position")
     tx, schedule = make_optimizer(config.optim, config.num_train_steps)
     abstract_state, state_sh = state_shardings(model, tx, mesh, rules, config.max_len)
 

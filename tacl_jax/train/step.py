@@ -43,7 +43,7 @@ class StepConfig:
     teacher_dropout: bool = False
     nsp: bool = False
     # The student's last layer only at the predicted positions (BertModel's last_layer_positions):
-    # with NSP off, MLM and TaCL read nothing else of it. Off for the scanned encoder.
+    # with NSP off, MLM and TaCL read nothing else of it.
     gather_last_layer: bool = True
     weights: tuple[tuple[str, float], ...] = (("mlm", 1.0), ("tacl", 1.0), ("nsp", 1.0))
     grad_accum_steps: int = 1
@@ -180,8 +180,7 @@ def step_config_from(config, special: dict[str, int]) -> StepConfig:
         mask_prob=m.mask_prob, replace_prob=m.replace_prob, random_prob=m.random_prob,
         whole_word=m.whole_word, temperature=config.tacl.temperature, mask_pad_keys=config.tacl.mask_pad_keys,
         teacher_dropout=config.tacl.teacher_dropout, nsp=config.nsp,
-        # The scanned encoder has one body for every layer, so its last cannot be narrower.
-        gather_last_layer=bool(config.model.get("gather_last_layer", True)) and not config.model.scan_layers,
+        gather_last_layer=bool(config.model.get("gather_last_layer", True)),
         weights=tuple(sorted(dict(config.loss_weights).items())), grad_accum_steps=config.grad_accum_steps)
 
 
