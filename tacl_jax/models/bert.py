@@ -304,10 +304,11 @@ class Encoder(nn.Module):
         ``lax.scan`` over the first N-1 slices of the stacked params, then layer N-1 on its own
         (``Layer``'s ``positions``). Written with ``Layer.apply`` on the slices because ``nn.scan``
         runs one body over all N slices. The slices are copies of the stacked weights (and their
-        gradients are joined again): one pass over the encoder's parameters, against the ~(1 - P/L)
-        of a layer's FLOPs it saves (three times: forward and backward). Dropout: one key per layer
-        split from this module's stream, so the draws differ from the full scan's (as the gathered
-        unrolled layer's differ from the full one's)."""
+        gradients are joined again), one pass over the encoder's parameters, against the ~(1 - P/L)
+        of the last layer's non-K/V work saved in the forward and the backward (on the CPU: 1.04-1.13x
+        faster steps, XLA's temporary buffer -67 MB at the bench's ``small`` bf16 and +85 MB at
+        bert-base fp32). Dropout: one key per layer split from this module's stream, so the draws
+        differ from the full scan's (as the gathered unrolled layer's differ from the full one's)."""
         n = self.config.num_hidden_layers
         stacked = nn.meta.unbox(self.variables["params"][SCAN_NAME])
         layer = cls(self.config, parent=None)
