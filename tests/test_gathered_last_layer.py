@@ -9,7 +9,7 @@ import pytest
 
 from tacl_jax.flops import step_flops
 from tacl_jax.models import BertConfig, BertModel
-from tacl_jax.models.bert import Layer
+from tacl_jax.models.bert import Layer, attention_bias
 from tacl_jax.train import loop
 from tacl_jax.train.step import make_loss_and_grads
 import hlo_text
@@ -77,7 +77,7 @@ def test_scanned_encoder_with_gathered_last_layer_drops_out_in_every_layer():
     out, again, other = run(1), run(1), run(2)
     np.testing.assert_array_equal(np.asarray(out.mlm_logits), np.asarray(again.mlm_logits))
     assert np.abs(np.asarray(out.mlm_logits) - np.asarray(other.mlm_logits)).max() > 1e-3
-    bias = np.where(mask[:, None, None, :] > 0, 0.0, np.finfo(np.float32).min).astype(np.float32)
+    bias = attention_bias(mask)
     stacked = params["encoder"]["layers"]
     for i in range(n):
         pos = positions if i == n - 1 else None

@@ -206,6 +206,12 @@ class SelfAttention(nn.Module):
         return out
 
 
+def attention_bias(attention_mask: jax.Array) -> jax.Array:
+    """``attention_mask [B, L]`` (1 = attend) -> the additive key bias ``[B, 1, 1, L]`` (f32: 0, or
+    the most negative float for a masked key)."""
+    return jnp.where(attention_mask[:, None, None, :] > 0, 0.0, jnp.finfo(jnp.float32).min)
+
+
 def take_positions(x: jax.Array, positions: jax.Array) -> jax.Array:
     """``x [B, L, ...]``, ``positions [B, P]`` (int) -> ``x`` at those positions, ``[B, P, ...]``."""
     idx = positions.astype(jnp.int32).reshape(positions.shape + (1,) * (x.ndim - 2))
@@ -422,7 +428,7 @@ class BertModel(nn.Module):
             raise ValueError(f"sequence length {input_ids.shape[1]} exceeds max_position_embeddings "
                              f"{cfg.max_position_embeddings}; shorten max_len")
         x = self.embeddings(input_ids, token_type_ids, deterministic)
-        bias = jnp.where(attention_mask[:, None, None, :] > 0, 0.0, jnp.finfo(jnp.float32).min)
+        bias = attention_bias(attention_mask)
         gathered = last_layer_positions is not None
         cls_slot = gathered and heads and cfg.with_nsp_head
         if gathered:
