@@ -1,17 +1,25 @@
 """The host process's memory allocator: glibc malloc tuned so XLA's per-step buffers are reused.
 
 Why. XLA:CPU allocates a step's temporary buffer (the activations: ~430 MB at the ``small`` bench
-size) with ``malloc`` at every execution and frees it at the end. glibc serves an allocation that
-large with a fresh ``mmap`` and gives it back with ``munmap``, so every step the kernel faults in
-and zeroes ~110,000 new 4 KiB pages (measured: 1.24 M minor faults for 9 steps of ``small``
-bf16). Three glibc tunables remove that:
+size, 1.1 GB at ``base``) with ``malloc`` at every execution and frees it at the end. glibc serves
+an allocation that large with a fresh ``mmap`` and gives it back with ``munmap``, so every step the
+kernel faults in and zeroes the whole buffer again (measured: 1.24 M minor faults for 9 steps of
+``small`` bf16). Four glibc tunables remove that:
 
 * ``glibc.malloc.mmap_max=0``: no allocation is served by its own ``mmap``; big buffers come from
   the heap, where a freed block is reused by the next step;
+* ``glibc.malloc.arena_max=1``: every thread allocates from the main heap. XLA runs a step on its
+  own threads, and a thread's secondary arena is made of 64 MiB heaps: a bigger block cannot come
+  from one, so glibc falls back to ``mmap`` for it *despite* ``mmap_max=0``. Seen with ``strace`` at
+  ``base`` fp32 without this tunable: one 1,176,035,328-byte ``mmap`` + ``munmap`` per step, ~1,000
+  (huge-page) faults, 0.4-0.8 s of kernel time per ~4.5 s step; with it: no fault, no kernel time;
 * ``glibc.malloc.trim_threshold`` (64 GiB): the heap is never trimmed back to the kernel between
   steps (peak RSS is what the step needs; a training process keeps it anyway);
 * ``glibc.malloc.hugetlb=1``: heap growth is ``madvise``-d for transparent huge pages, so what is
   still faulted in (the first step, growth) comes in 2 MiB pages.
+
+One arena means threads share malloc's lock; XLA allocates a handful of large buffers per step, the
+input pipeline's workers are processes, and no slowdown was measured from it.
 
 Measured on a 2-core Sapphire Rapids VM (``bench/step_throughput.py --malloc``): the ``small``
 bf16 step 0.69 s -> 0.50 s, and the PyTorch peer gains too, which is why the bench runs both with
@@ -28,7 +36,8 @@ import platform
 import sys
 from typing import Mapping
 
-TUNABLES = "glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
+TUNABLES = ("glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:glibc.malloc.arena_max=1:"
+            "glibc.malloc.trim_threshold=68719476736")
 SWITCH = "TACL_MALLOC_TUNING"          # 'auto' (default) | 'off'
 _MARK = "TACL_MALLOC_TUNED"            # set in the re-executed process: never loop
 
@@ -79,26 +88,41 @@ def maybe_reexec(module: str) -> None:
     os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], env)
 
 
-def page_faults_of_reuse(nbytes: int = 256 << 20) -> int:
+def page_faults_of_reuse(nbytes: int = 256 << 20, in_thread: bool = False) -> int:
     """Minor page faults of touching a fresh ``nbytes`` malloc after an equal one was freed: ~0
     when the allocator reuses the block, ``nbytes / 4 KiB`` when it maps new memory (glibc's
-    default). Linux/glibc only; what ``python -m tacl_jax.hostenv`` reports."""
+    default). ``in_thread``: measured on a new thread, as XLA allocates (a thread arena of its own
+    unless ``arena_max=1``, see the module doc). Linux/glibc only; what ``python -m
+    tacl_jax.hostenv`` reports."""
     import ctypes
     import resource
+    import threading
 
     libc = ctypes.CDLL(None)
     libc.malloc.restype = ctypes.c_void_p
     libc.malloc.argtypes = [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
-    first = libc.malloc(nbytes)
-    ctypes.memset(first, 1, nbytes)
-    libc.free(first)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    again = libc.malloc(nbytes)
-    ctypes.memset(again, 1, nbytes)
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    libc.free(again)
-    return faults
+    result = []
+
+    def measure():
+        # RUSAGE_THREAD (Linux) counts this thread's faults only.
+        usage = lambda: resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)).ru_minflt
+        first = libc.malloc(nbytes)
+        ctypes.memset(first, 1, nbytes)
+        libc.free(first)
+        before = usage()
+        again = libc.malloc(nbytes)
+        ctypes.memset(again, 1, nbytes)
+        result.append(usage() - before)
+        libc.free(again)
+
+    if in_thread:
+        worker = threading.Thread(target=measure)
+        worker.start()
+        worker.join()
+    else:
+        measure()
+    return result[0]
 
 
 if __name__ == "__main__":
@@ -107,4 +131,5 @@ if __name__ == "__main__":
     import json
 
     print(json.dumps({"GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES"), "reexecuted": bool(os.environ.get(_MARK)),
-                      "libc": "-".join(platform.libc_ver()), "page_faults_256mb_reuse": page_faults_of_reuse()}))
+                      "libc": "-".join(platform.libc_ver()), "page_faults_256mb_reuse": page_faults_of_reuse(),
+                      "page_faults_256mb_reuse_thread": page_faults_of_reuse(in_thread=True)}))
