@@ -19,7 +19,9 @@ step timed to completion (ours: ``block_until_ready``; the peer: ``loss.item()``
 Allocator. Every measured process, ours and the peer's, runs with the same glibc malloc:
 ``--malloc=tuned`` (default) = ``tacl_jax.hostenv.TUNABLES``, what ``python -m tacl_jax.main``
 runs with (big buffers reused across steps instead of re-``mmap``-ed and page-faulted in every
-step), ``--malloc=system`` = glibc's defaults. ``--ablate`` has a ``system_malloc`` row.
+step), ``--malloc=one_arena`` = those and ``arena_max=1`` (``TACL_MALLOC_TUNING=one_arena``: faster
+CPU steps, peak RSS up to one step buffer higher; see tacl_jax.hostenv), ``--malloc=system`` =
+glibc's defaults. ``--ablate`` has ``system_malloc`` and ``one_arena_malloc`` rows.
 
 Every measurement runs in its own subprocess, so peak memory is fair: each reports its own
 ``getrusage(RUSAGE_SELF).ru_maxrss`` (the peer does the same), i.e. the most the process ever held,
@@ -117,9 +119,11 @@ ABLATIONS = {
     # flax's nn.Dropout (one threefry block per element) instead of four 16-bit uniforms per block
     # (tacl_jax.models.dropout).
     "dropout_bits32": {"dropout_bits": 32},
-    # The process's allocator, not a flag of the step: glibc's defaults instead of the tuned
-    # malloc (tacl_jax.hostenv) that every other row, the peer's included, runs with.
+    # The process's allocator, not a flag of the step: glibc's defaults, or the tuned malloc with
+    # one arena, instead of the tuned malloc (tacl_jax.hostenv) that every other row, the peer's
+    # included, runs with.
     "system_malloc": {"_malloc": "system"},
+    "one_arena_malloc": {"_malloc": "one_arena"},
 }
 MALLOC = {"malloc": "tuned"}   # set from --malloc in main(); read by _worker_env / _peer_env
 
@@ -152,15 +156,16 @@ def model_flops_per_token(layers: int, hidden: int, intermediate: int, seq: int,
 
 def _malloc_env(env: dict, malloc: str | None = None) -> dict:
     """``env`` with the allocator of ``--malloc``: 'tuned' = tacl_jax.hostenv's glibc tunables
-    (what ``python -m tacl_jax.main`` runs with), 'system' = glibc's defaults. Applied to our
+    (what ``python -m tacl_jax.main`` runs with), 'one_arena' = those and ``arena_max=1``,
+    'system' = glibc's defaults. Applied to our
     workers and to the peer alike, so the comparison is of the steps, not of the allocators."""
     malloc = malloc or MALLOC["malloc"]
     env = {k: v for k, v in env.items() if k != "GLIBC_TUNABLES"}
-    if malloc == "tuned":
+    if malloc in ("tuned", "one_arena"):
         sys.path.insert(0, REPO)
-        from tacl_jax.hostenv import TUNABLES
+        from tacl_jax.hostenv import ONE_ARENA, TUNABLES
 
-        env["GLIBC_TUNABLES"] = TUNABLES
+        env["GLIBC_TUNABLES"] = TUNABLES + (":" + ONE_ARENA if malloc == "one_arena" else "")
     return env
 
 
@@ -672,7 +677,7 @@ def parse_args(argv=None):
                    help="python with torch + transformers for the peer (default: this one)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per measurement")
     p.add_argument("--out", default=None, help="also write the JSON here")
-    p.add_argument("--malloc", choices=("tuned", "system"), default="tuned",
+    p.add_argument("--malloc", choices=("tuned", "one_arena", "system"), default="tuned",
                    help="allocator of every measured process, ours and the peer's (tacl_jax.hostenv)")
     p.add_argument("--ablate", action="store_true", help="measure the levers (see ABLATIONS)")
     p.add_argument("--ablations", default="", help="comma-separated subset of ABLATIONS")

@@ -4,22 +4,28 @@ Why. XLA:CPU allocates a step's temporary buffer (the activations: ~430 MB at th
 size, 1.1 GB at ``base``) with ``malloc`` at every execution and frees it at the end. glibc serves
 an allocation that large with a fresh ``mmap`` and gives it back with ``munmap``, so every step the
 kernel faults in and zeroes the whole buffer again (measured: 1.24 M minor faults for 9 steps of
-``small`` bf16). Four glibc tunables remove that:
+``small`` bf16). Three glibc tunables remove most of that:
 
 * ``glibc.malloc.mmap_max=0``: no allocation is served by its own ``mmap``; big buffers come from
-  the heap, where a freed block is reused by the next step;
-* ``glibc.malloc.arena_max=1``: every thread allocates from the main heap. XLA runs a step on its
-  own threads, and a thread's secondary arena is made of 64 MiB heaps: a bigger block cannot come
-  from one, so glibc falls back to ``mmap`` for it *despite* ``mmap_max=0``. Seen with ``strace`` at
-  ``base`` fp32 without this tunable: one 1,176,035,328-byte ``mmap`` + ``munmap`` per step, ~1,000
-  (huge-page) faults, 0.4-0.8 s of kernel time per ~4.5 s step; with it: no fault, no kernel time;
+  the heap, where a freed block is reused by the next step (from the main arena; XLA's threads'
+  arenas still map theirs, see "One arena");
 * ``glibc.malloc.trim_threshold`` (64 GiB): the heap is never trimmed back to the kernel between
   steps (peak RSS is what the step needs; a training process keeps it anyway);
 * ``glibc.malloc.hugetlb=1``: heap growth is ``madvise``-d for transparent huge pages, so what is
   still faulted in (the first step, growth) comes in 2 MiB pages.
 
-One arena means threads share malloc's lock; XLA allocates a handful of large buffers per step, the
-input pipeline's workers are processes, and no slowdown was measured from it.
+**One arena** (``TACL_MALLOC_TUNING=one_arena``, opt-in): ``glibc.malloc.arena_max=1`` on top. XLA
+runs a step on its own threads, and a thread's secondary arena is made of 64 MiB heaps: a bigger
+block cannot come from one, so glibc still falls back to ``mmap`` for it *despite* ``mmap_max=0``.
+Seen with ``strace`` at ``base`` fp32: one 1,176,035,328-byte ``mmap`` + ``munmap`` per step, ~1,000
+(huge-page) faults, 0.4-0.8 s of kernel time per ~4.5 s step. With one arena every thread allocates
+from the main heap: after the first two steps no fault and no kernel time (``base`` fp32 1.15-1.28x
+tokens/s in interleaved pairs on a busy host). Why not the default: in the main heap the freed
+step buffer is often split by a small allocation before the next step asks for it again, the heap
+then grows by one more step buffer, and peak RSS rose by up to that much (measured: ``small`` fp32
+~1,300 -> 1,718 MB, ``small`` bf16 ~1,300 -> 1,539 MB, ``base`` bf16 ~3,640 -> 4,585 MB: 4 of 8
+processes of one bench run; the others were equal or lower). Take it where the CPU step's speed
+matters more than one step buffer of RAM.
 
 Measured on a 2-core Sapphire Rapids VM (``bench/step_throughput.py --malloc``): the ``small``
 bf16 step 0.69 s -> 0.50 s, and the PyTorch peer gains too, which is why the bench runs both with
@@ -36,23 +42,24 @@ import platform
 import sys
 from typing import Mapping
 
-TUNABLES = ("glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:glibc.malloc.arena_max=1:"
-            "glibc.malloc.trim_threshold=68719476736")
-SWITCH = "TACL_MALLOC_TUNING"          # 'auto' (default) | 'off'
+TUNABLES = "glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
+ONE_ARENA = "glibc.malloc.arena_max=1"  # added by TACL_MALLOC_TUNING=one_arena (see the module doc)
+SWITCH = "TACL_MALLOC_TUNING"          # 'auto' (default) | 'one_arena' | 'off'
 _MARK = "TACL_MALLOC_TUNED"            # set in the re-executed process: never loop
 
 
 def tuned_env(environ: Mapping[str, str], libc: tuple[str, str] | None = None) -> dict[str, str] | None:
     """The environment to re-execute with, or None when nothing should change. Pure.
 
-    ``libc``: ``platform.libc_ver()`` (default: this process's). Nothing changes when the switch
+    ``libc``: ``platform.libc_ver()`` (default: this process's). The switch ``TACL_MALLOC_TUNING``:
+    'auto' = ``TUNABLES``, 'one_arena' = those and ``ONE_ARENA``. Nothing changes when the switch
     is 'off', when the process was already re-executed, when ``GLIBC_TUNABLES`` is set (the
     user's own choice wins), when an allocator is preloaded (``LD_PRELOAD`` names malloc), or when
     the C library is not glibc.
     """
     switch = environ.get(SWITCH, "auto").strip().lower()
-    if switch not in ("auto", "off"):
-        raise ValueError(f"{SWITCH}={environ[SWITCH]!r}: use 'auto' or 'off'")
+    if switch not in ("auto", "one_arena", "off"):
+        raise ValueError(f"{SWITCH}={environ[SWITCH]!r}: use 'auto', 'one_arena' or 'off'")
     if switch == "off" or environ.get(_MARK) or environ.get("GLIBC_TUNABLES"):
         return None
     if "malloc" in environ.get("LD_PRELOAD", ""):
@@ -60,13 +67,15 @@ def tuned_env(environ: Mapping[str, str], libc: tuple[str, str] | None = None) -
     name, _ = libc if libc is not None else platform.libc_ver()
     if name != "glibc":
         return None
-    return {**environ, "GLIBC_TUNABLES": TUNABLES, _MARK: "1"}
+    tunables = TUNABLES + ":" + ONE_ARENA if switch == "one_arena" else TUNABLES
+    return {**environ, "GLIBC_TUNABLES": tunables, _MARK: "1"}
 
 
 def describe(environ: Mapping[str, str]) -> str:
     """One line for the start-up log: which allocator this process runs with."""
     if environ.get(_MARK):
-        return "glibc malloc tuned (GLIBC_TUNABLES, see tacl_jax.hostenv)"
+        one = ONE_ARENA in environ.get("GLIBC_TUNABLES", "")
+        return f"glibc malloc tuned{', one arena' if one else ''} (GLIBC_TUNABLES, see tacl_jax.hostenv)"
     if environ.get(SWITCH, "").strip().lower() == "off":
         return f"system default ({SWITCH}=off)"
     if environ.get("GLIBC_TUNABLES"):

@@ -24,7 +24,9 @@ def test_decision_table():
     assert hostenv.tuned_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, GLIBC) is None
     assert hostenv.tuned_env({"LD_PRELOAD": "/usr/lib/libtcmalloc_minimal.so.4"}, GLIBC) is None
     assert hostenv.tuned_env({}, ("", "")) is None
-    with pytest.raises(ValueError, match="TACL_MALLOC_TUNING='yes'.*'auto' or 'off'"):
+    one = hostenv.tuned_env({hostenv.SWITCH: "one_arena"}, GLIBC)
+    assert one["GLIBC_TUNABLES"] == hostenv.TUNABLES + ":glibc.malloc.arena_max=1"
+    with pytest.raises(ValueError, match="TACL_MALLOC_TUNING='yes'.*'auto', 'one_arena' or 'off'"):
         hostenv.tuned_env({hostenv.SWITCH: "yes"}, GLIBC)
 
 
@@ -48,13 +50,16 @@ def test_reexec_reuses_freed_blocks():
     assert system["page_faults_256mb_reuse"] > 0.9 * pages
     assert system["page_faults_256mb_reuse_thread"] > 0.9 * pages
     assert tuned["page_faults_256mb_reuse"] < 32
-    # On a thread of its own, as XLA allocates: without arena_max=1 glibc maps the block afresh
-    # every time despite mmap_max=0 (129 faults with the other three tunables).
-    assert tuned["page_faults_256mb_reuse_thread"] < 32
+    # On a thread of its own, as XLA allocates, the default still maps the block afresh (glibc's
+    # thread arenas fall back to mmap despite mmap_max=0: 129 faults here); one arena reuses it.
+    one = _report({hostenv.SWITCH: "one_arena"})
+    assert one["reexecuted"] and one["GLIBC_TUNABLES"].endswith(":glibc.malloc.arena_max=1")
+    assert one["page_faults_256mb_reuse"] < 32 and one["page_faults_256mb_reuse_thread"] < 32
 
 
 def test_describe_names_the_allocator():
-    assert "tuned" in hostenv.describe(hostenv.tuned_env({}, GLIBC))
+    assert "tuned (" in hostenv.describe(hostenv.tuned_env({}, GLIBC))
+    assert "tuned, one arena" in hostenv.describe(hostenv.tuned_env({hostenv.SWITCH: "one_arena"}, GLIBC))
     assert "TACL_MALLOC_TUNING=off" in hostenv.describe({hostenv.SWITCH: "off"})
     assert "set by the caller" in hostenv.describe({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
     assert hostenv.describe({}) == "system default"
