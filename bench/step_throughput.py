@@ -157,8 +157,8 @@ def model_flops_per_token(layers: int, hidden: int, intermediate: int, seq: int,
 def _malloc_env(env: dict, malloc: str | None = None) -> dict:
     """``env`` with the allocator of ``--malloc``: 'tuned' = tacl_jax.hostenv's glibc tunables
     (what ``python -m tacl_jax.main`` runs with), 'one_arena' = those and ``arena_max=1``,
-    'system' = glibc's defaults. Applied to our
-    workers and to the peer alike, so the comparison is of the steps, not of the allocators."""
+    'system' = glibc's defaults. Applied to our workers and to the peer alike, so the comparison
+    is of the steps, not of the allocators."""
     malloc = malloc or MALLOC["malloc"]
     env = {k: v for k, v in env.items() if k != "GLIBC_TUNABLES"}
     if malloc in ("tuned", "one_arena"):

@@ -100,7 +100,7 @@ def maybe_reexec(module: str) -> None:
 def page_faults_of_reuse(nbytes: int = 256 << 20, in_thread: bool = False) -> int:
     """Minor page faults of touching a fresh ``nbytes`` malloc after an equal one was freed: ~0
     when the allocator reuses the block, ``nbytes / 4 KiB`` when it maps new memory (glibc's
-    default). ``in_thread``: measured on a new thread, as XLA allocates (a thread arena of its own
+    default; ``nbytes / 2 MiB`` where the new mapping gets transparent huge pages). ``in_thread``: measured on a new thread, as XLA allocates (a thread arena of its own
     unless ``arena_max=1``, see the module doc). Linux/glibc only; what ``python -m
     tacl_jax.hostenv`` reports."""
     import ctypes
