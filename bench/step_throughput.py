@@ -163,9 +163,9 @@ def _malloc_env(env: dict, malloc: str | None = None) -> dict:
     env = {k: v for k, v in env.items() if k != "GLIBC_TUNABLES"}
     if malloc in ("tuned", "one_arena"):
         sys.path.insert(0, REPO)
-        from tacl_jax.hostenv import ONE_ARENA, TUNABLES
+        from tacl_jax.hostenv import tunables
 
-        env["GLIBC_TUNABLES"] = TUNABLES + (":" + ONE_ARENA if malloc == "one_arena" else "")
+        env["GLIBC_TUNABLES"] = tunables("one_arena" if malloc == "one_arena" else "auto")
     return env
 
 

@@ -48,11 +48,17 @@ SWITCH = "TACL_MALLOC_TUNING"          # 'auto' (default) | 'one_arena' | 'off'
 _MARK = "TACL_MALLOC_TUNED"            # set in the re-executed process: never loop
 
 
+def tunables(switch: str = "auto") -> str:
+    """The ``GLIBC_TUNABLES`` value of a ``TACL_MALLOC_TUNING`` setting: 'auto' -> ``TUNABLES``,
+    'one_arena' -> those and ``ONE_ARENA``."""
+    return TUNABLES + ":" + ONE_ARENA if switch == "one_arena" else TUNABLES
+
+
 def tuned_env(environ: Mapping[str, str], libc: tuple[str, str] | None = None) -> dict[str, str] | None:
     """The environment to re-execute with, or None when nothing should change. Pure.
 
-    ``libc``: ``platform.libc_ver()`` (default: this process's). The switch ``TACL_MALLOC_TUNING``:
-    'auto' = ``TUNABLES``, 'one_arena' = those and ``ONE_ARENA``. Nothing changes when the switch
+    ``libc``: ``platform.libc_ver()`` (default: this process's). The switch ``TACL_MALLOC_TUNING``
+    ('auto' | 'one_arena' | 'off') picks the value (``tunables``). Nothing changes when the switch
     is 'off', when the process was already re-executed, when ``GLIBC_TUNABLES`` is set (the
     user's own choice wins), when an allocator is preloaded (``LD_PRELOAD`` names malloc), or when
     the C library is not glibc.
@@ -67,8 +73,7 @@ def tuned_env(environ: Mapping[str, str], libc: tuple[str, str] | None = None) -
     name, _ = libc if libc is not None else platform.libc_ver()
     if name != "glibc":
         return None
-    tunables = TUNABLES + ":" + ONE_ARENA if switch == "one_arena" else TUNABLES
-    return {**environ, "GLIBC_TUNABLES": tunables, _MARK: "1"}
+    return {**environ, "GLIBC_TUNABLES": tunables(switch), _MARK: "1"}
 
 
 def describe(environ: Mapping[str, str]) -> str:
