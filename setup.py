@@ -9,6 +9,8 @@ setup(
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["tacl_jax", "tacl_jax.*"]),
+    # The allocator shim's source: tacl_jax.hostenv compiles it at first use (see its module doc).
+    package_data={"tacl_jax": ["bigalloc.c"]},
     python_requires=">=3.11",  # what current jax and flax require
     install_requires=[
         "jax>=0.7",

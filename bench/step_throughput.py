@@ -16,12 +16,11 @@ synthetic batches (``[CLS] A [SEP] B [SEP]``, 10% short rows, bert-base-uncased 
 sizes, and count ``tokens/s = batch · seq · timed_steps / Σ step time`` (padding included), each
 step timed to completion (ours: ``block_until_ready``; the peer: ``loss.item()``).
 
-Allocator. Every measured process, ours and the peer's, runs with the same glibc malloc:
-``--malloc=tuned`` (default) = ``tacl_jax.hostenv.TUNABLES``, what ``python -m tacl_jax.main``
-runs with (big buffers reused across steps instead of re-``mmap``-ed and page-faulted in every
-step), ``--malloc=one_arena`` = those and ``arena_max=1`` (``TACL_MALLOC_TUNING=one_arena``: faster
-CPU steps, peak RSS up to one step buffer higher; see tacl_jax.hostenv), ``--malloc=system`` =
-glibc's defaults. ``--ablate`` has ``system_malloc`` and ``one_arena_malloc`` rows.
+Allocator. Every measured process, ours and the peer's, runs with the same allocator:
+``--malloc=tuned`` (default) = what ``python -m tacl_jax.main`` runs with (tacl_jax.hostenv: glibc
+tunables and the bigalloc shim, so big buffers are reused across steps instead of re-``mmap``-ed and
+page-faulted in every step), ``--malloc=glibc`` = the tunables alone (``TACL_MALLOC_TUNING=glibc``),
+``--malloc=system`` = glibc's defaults. ``--ablate`` has ``system_malloc`` and ``glibc_malloc`` rows.
 
 Every measurement runs in its own subprocess, so peak memory is fair: each reports its own
 ``getrusage(RUSAGE_SELF).ru_maxrss`` (the peer does the same), i.e. the most the process ever held,
@@ -119,11 +118,11 @@ ABLATIONS = {
     # flax's nn.Dropout (one threefry block per element) instead of four 16-bit uniforms per block
     # (tacl_jax.models.dropout).
     "dropout_bits32": {"dropout_bits": 32},
-    # The process's allocator, not a flag of the step: glibc's defaults, or the tuned malloc with
-    # one arena, instead of the tuned malloc (tacl_jax.hostenv) that every other row, the peer's
-    # included, runs with.
+    # The process's allocator, not a flag of the step: glibc's defaults, or the glibc tunables
+    # without the bigalloc shim, instead of both (tacl_jax.hostenv) that every other row, the
+    # peer's included, runs with.
     "system_malloc": {"_malloc": "system"},
-    "one_arena_malloc": {"_malloc": "one_arena"},
+    "glibc_malloc": {"_malloc": "glibc"},
 }
 MALLOC = {"malloc": "tuned"}   # set from --malloc in main(); read by _worker_env / _peer_env
 
@@ -155,17 +154,22 @@ def model_flops_per_token(layers: int, hidden: int, intermediate: int, seq: int,
 # ----------------------------------------------------------------------------- workers (subprocesses)
 
 def _malloc_env(env: dict, malloc: str | None = None) -> dict:
-    """``env`` with the allocator of ``--malloc``: 'tuned' = tacl_jax.hostenv's glibc tunables
-    (what ``python -m tacl_jax.main`` runs with), 'one_arena' = those and ``arena_max=1``,
+    """``env`` with the allocator of ``--malloc``: 'tuned' = tacl_jax.hostenv's glibc tunables and
+    bigalloc shim (what ``python -m tacl_jax.main`` runs with), 'glibc' = the tunables alone,
     'system' = glibc's defaults. Applied to our workers and to the peer alike, so the comparison
     is of the steps, not of the allocators."""
     malloc = malloc or MALLOC["malloc"]
-    env = {k: v for k, v in env.items() if k != "GLIBC_TUNABLES"}
-    if malloc in ("tuned", "one_arena"):
-        sys.path.insert(0, REPO)
-        from tacl_jax.hostenv import tunables
+    sys.path.insert(0, REPO)
+    from tacl_jax import hostenv
 
-        env["GLIBC_TUNABLES"] = tunables("one_arena" if malloc == "one_arena" else "auto")
+    env = {k: v for k, v in env.items() if k not in ("GLIBC_TUNABLES", "LD_PRELOAD", hostenv._MARK, hostenv.SWITCH)}
+    if malloc in ("tuned", "glibc"):
+        tuned = hostenv.tuned_env({**env, hostenv.SWITCH: "auto" if malloc == "tuned" else "glibc"})
+        if tuned is None or (malloc == "tuned" and "bigalloc" not in tuned.get("LD_PRELOAD", "")):
+            raise SystemExit(f"--malloc={malloc}: not available here (needs glibc, and for 'tuned' a working C "
+                             "compiler `cc` to build the bigalloc shim); pass --malloc=glibc or --malloc=system")
+        env = tuned
+    env[hostenv.SWITCH] = "off"   # a worker that imports tacl_jax.main must not re-execute
     return env
 
 
@@ -677,7 +681,7 @@ def parse_args(argv=None):
                    help="python with torch + transformers for the peer (default: this one)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per measurement")
     p.add_argument("--out", default=None, help="also write the JSON here")
-    p.add_argument("--malloc", choices=("tuned", "one_arena", "system"), default="tuned",
+    p.add_argument("--malloc", choices=("tuned", "glibc", "system"), default="tuned",
                    help="allocator of every measured process, ours and the peer's (tacl_jax.hostenv)")
     p.add_argument("--ablate", action="store_true", help="measure the levers (see ABLATIONS)")
     p.add_argument("--ablations", default="", help="comma-separated subset of ABLATIONS")
@@ -715,6 +719,9 @@ def _main_worker(args) -> None:
     fn = {"ours": worker_ours, "matmul": worker_matmul, "breakdown": worker_breakdown}[args.worker]
     res = fn(args)
     res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    from tacl_jax import hostenv
+
+    res["bigalloc"] = hostenv.bigalloc_stats()   # None: not preloaded (--malloc=glibc|system)
     print(json.dumps(res))
 
 

@@ -1,71 +1,106 @@
-"""The host process's memory allocator: glibc malloc tuned so XLA's per-step buffers are reused.
+"""The host process's memory allocator: glibc malloc tuned, and big blocks kept for reuse.
 
-Why. XLA:CPU allocates a step's temporary buffer (the activations: ~430 MB at the ``small`` bench
-size, 1.1 GB at ``base``) with ``malloc`` at every execution and frees it at the end. glibc serves
-an allocation that large with a fresh ``mmap`` and gives it back with ``munmap``, so every step the
-kernel faults in and zeroes the whole buffer again (measured: 1.24 M minor faults for 9 steps of
-``small`` bf16). Three glibc tunables remove most of that:
+Why. XLA:CPU allocates a step's temporary buffer (the activations: ~270 MB at the ``small`` bench
+size in fp32, 1.1 GB at ``base``) with ``malloc`` at every execution and frees it at the end. glibc
+serves an allocation that large with a fresh ``mmap`` and gives it back with ``munmap``, so every
+step the kernel faults in and zeroes the whole buffer again (measured: 1.24 M minor faults for 9
+steps of ``small`` bf16; at ``base`` fp32 ~1,000 huge-page faults and 0.4-0.8 s of kernel time per
+~4.5 s step). Two parts, both on by default (``TACL_MALLOC_TUNING=auto``):
 
-* ``glibc.malloc.mmap_max=0``: no allocation is served by its own ``mmap``; big buffers come from
-  the heap, where a freed block is reused by the next step (from the main arena; XLA's threads'
-  arenas still map theirs, see "One arena");
-* ``glibc.malloc.trim_threshold`` (64 GiB): the heap is never trimmed back to the kernel between
-  steps (peak RSS is what the step needs; a training process keeps it anyway);
-* ``glibc.malloc.hugetlb=1``: heap growth is ``madvise``-d for transparent huge pages, so what is
-  still faulted in (the first step, growth) comes in 2 MiB pages.
+1. **glibc tunables** (``TUNABLES``), for blocks the main thread allocates:
+   ``glibc.malloc.mmap_max=0`` (no allocation gets a map of its own: a freed block stays in the
+   heap for the next one), ``glibc.malloc.trim_threshold`` = 64 GiB (the heap is not trimmed
+   between steps) and ``glibc.malloc.hugetlb=1`` (heap growth in transparent huge pages).
+2. **bigalloc** (``tacl_jax/bigalloc.c``, an ``LD_PRELOAD`` shim compiled once with the system's C
+   compiler into ``~/.cache/tacl_jax``), for XLA's threads: a thread's glibc arena is made of
+   64 MiB heaps, so for a bigger block glibc still maps and unmaps *despite* ``mmap_max=0``
+   (``strace`` at ``base`` fp32: one 1,176,035,328-byte ``mmap`` + ``munmap`` per step). bigalloc
+   gives every request of >= 64 MiB a mapping of its own and keeps it when freed for the next
+   request it fits. XLA mallocs the next step's buffer at about the instant it frees the last one
+   (``strace``: the ``mmap`` 59 us *before* the ``munmap``), so a request waits up to 5 ms for a
+   fitting block that is in use; a request that nothing fits unmaps the free blocks (the
+   initialisation's buffers are not kept resident beside the training step's). The main thread's
+   big blocks stay with glibc's heap, which the tunables make reuse them and which coalesces mixed
+   sizes (a per-size cache churned under the PyTorch peer's autograd). Measured in interleaved
+   worker processes (``bench/step_throughput.py --worker=ours``, ``base`` fp32, 6 steps): median
+   step 4.08 / 4.07 s vs 4.35 / 4.23 s with the tunables alone (1.06x / 1.04x), kernel time per
+   process 10.6 / 11.1 s vs 19.6 / 12.3 s, peak RSS 3,825 / 3,848 vs 3,821 / 3,816 MB.
 
-**One arena** (``TACL_MALLOC_TUNING=one_arena``, opt-in): ``glibc.malloc.arena_max=1`` on top. XLA
-runs a step on its own threads, and a thread's secondary arena is made of 64 MiB heaps: a bigger
-block cannot come from one, so glibc still falls back to ``mmap`` for it *despite* ``mmap_max=0``.
-Seen with ``strace`` at ``base`` fp32: one 1,176,035,328-byte ``mmap`` + ``munmap`` per step, ~1,000
-(huge-page) faults, 0.4-0.8 s of kernel time per ~4.5 s step. With one arena every thread allocates
-from the main heap: after the first two steps no fault and no kernel time (``base`` fp32 1.15-1.28x
-tokens/s in interleaved pairs on a busy host). Why not the default: in the main heap the freed
-step buffer is often split by a small allocation before the next step asks for it again, the heap
-then grows by one more step buffer, and peak RSS rose by up to that much (measured: ``small`` fp32
-~1,300 -> 1,718 MB, ``small`` bf16 ~1,300 -> 1,539 MB, ``base`` bf16 ~3,640 -> 4,585 MB: 4 of 8
-processes of one bench run; the others were equal or lower). Take it where the CPU step's speed
-matters more than one step buffer of RAM.
+Tried and not taken (same measurements): ``glibc.malloc.arena_max=1`` (every thread on the main
+heap: no maps, but the next step's buffer is asked for before the last is freed, the heap grows by
+one buffer and peak RSS rose by up to that much: ``base`` bf16 3,640 -> 4,585 MB); tcmalloc (2 of 5
+``base`` runs mapped a second buffer in 4 KiB pages: a 10 s step, 4.8 GB peak) and jemalloc (slower
+steps, 4.5-4.8 s).
 
-Measured on a 2-core Sapphire Rapids VM (``bench/step_throughput.py --malloc``): the ``small``
-bf16 step 0.69 s -> 0.50 s, and the PyTorch peer gains too, which is why the bench runs both with
-the same allocator. Tunables are read by glibc at process start only, so ``python -m
-tacl_jax.main`` re-executes itself once with them (``maybe_reexec``); a process that already set
-``GLIBC_TUNABLES`` (or preloads tcmalloc/jemalloc), non-glibc systems, and
-``TACL_MALLOC_TUNING=off`` are left alone.
+Allocator settings are read at process start only, so ``python -m tacl_jax.main`` re-executes itself
+once with them (``maybe_reexec``). Left alone: ``TACL_MALLOC_TUNING=off``, a process that already set
+``GLIBC_TUNABLES`` or preloads an allocator (tcmalloc/jemalloc), non-glibc systems.
+``TACL_MALLOC_TUNING=glibc`` takes the tunables without bigalloc (also what ``auto`` falls back to
+where no C compiler works). bigalloc's knobs: ``TACL_BIGALLOC_MIN_MB`` (64), ``TACL_BIGALLOC_CACHE_MB``
+(4096: freed blocks kept at most), ``TACL_BIGALLOC_WAIT_US`` (5000).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
+import subprocess
 import sys
-from typing import Mapping
+from pathlib import Path
+from typing import Callable, Mapping
 
 TUNABLES = "glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
-ONE_ARENA = "glibc.malloc.arena_max=1"  # added by TACL_MALLOC_TUNING=one_arena (see the module doc)
-SWITCH = "TACL_MALLOC_TUNING"          # 'auto' (default) | 'one_arena' | 'off'
+SWITCH = "TACL_MALLOC_TUNING"          # 'auto' (default: tunables + bigalloc) | 'glibc' (tunables) | 'off'
 _MARK = "TACL_MALLOC_TUNED"            # set in the re-executed process: never loop
+BIGALLOC_SOURCE = Path(__file__).with_name("bigalloc.c")
 
 
-def tunables(switch: str = "auto") -> str:
-    """The ``GLIBC_TUNABLES`` value of a ``TACL_MALLOC_TUNING`` setting: 'auto' -> ``TUNABLES``,
-    'one_arena' -> those and ``ONE_ARENA``."""
-    return TUNABLES + ":" + ONE_ARENA if switch == "one_arena" else TUNABLES
+def _cache_dir(environ: Mapping[str, str]) -> Path:
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(environ.get("TACL_CACHE_DIR") or os.path.join(base, "tacl_jax"))
 
 
-def tuned_env(environ: Mapping[str, str], libc: tuple[str, str] | None = None) -> dict[str, str] | None:
-    """The environment to re-execute with, or None when nothing should change. Pure.
+def bigalloc_library(environ: Mapping[str, str] = os.environ) -> str | None:
+    """Path of the compiled bigalloc shim, built once per source version (``$CC`` or ``cc``, ~0.3 s)
+    into ``$TACL_CACHE_DIR`` or ``~/.cache/tacl_jax``; None where it cannot be built (no compiler,
+    no writable cache). Atomic: a concurrent build (several processes of one host) never exposes a
+    half-written library."""
+    source = BIGALLOC_SOURCE.read_bytes()
+    tag = hashlib.sha256(source + platform.machine().encode()).hexdigest()[:12]
+    out = _cache_dir(environ) / f"bigalloc-{tag}.so"
+    if out.exists():
+        return str(out)
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [environ.get("CC", "cc"), "-O2", "-shared", "-fPIC", "-o", str(tmp), str(BIGALLOC_SOURCE), "-ldl",
+               "-lpthread"]
+        if subprocess.run(cmd, capture_output=True, timeout=120).returncode != 0:
+            return None
+        os.replace(tmp, out)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return str(out)
 
-    ``libc``: ``platform.libc_ver()`` (default: this process's). The switch ``TACL_MALLOC_TUNING``
-    ('auto' | 'one_arena' | 'off') picks the value (``tunables``). Nothing changes when the switch
-    is 'off', when the process was already re-executed, when ``GLIBC_TUNABLES`` is set (the
-    user's own choice wins), when an allocator is preloaded (``LD_PRELOAD`` names malloc), or when
-    the C library is not glibc.
+
+def tuned_env(environ: Mapping[str, str], libc: tuple[str, str] | None = None,
+              bigalloc: Callable[[], str | None] | None = None) -> dict[str, str] | None:
+    """The environment to re-execute with, or None when nothing should change. Pure but for
+    ``bigalloc`` (default: ``bigalloc_library``, called only when 'auto' needs it).
+
+    ``libc``: ``platform.libc_ver()`` (default: this process's). The switch ``TACL_MALLOC_TUNING``:
+    'auto' -> ``TUNABLES`` and the bigalloc shim first in ``LD_PRELOAD`` (the tunables alone where
+    it cannot be built), 'glibc' -> ``TUNABLES`` only. Nothing changes when the switch is 'off',
+    when the process was already re-executed, when ``GLIBC_TUNABLES`` is set (the user's own
+    choice wins), when an allocator is preloaded (``LD_PRELOAD`` names malloc), or when the C
+    library is not glibc.
     """
     switch = environ.get(SWITCH, "auto").strip().lower()
-    if switch not in ("auto", "one_arena", "off"):
-        raise ValueError(f"{SWITCH}={environ[SWITCH]!r}: use 'auto', 'one_arena' or 'off'")
+    if switch not in ("auto", "glibc", "off"):
+        raise ValueError(f"{SWITCH}={environ[SWITCH]!r}: use 'auto', 'glibc' or 'off'")
     if switch == "off" or environ.get(_MARK) or environ.get("GLIBC_TUNABLES"):
         return None
     if "malloc" in environ.get("LD_PRELOAD", ""):
@@ -73,14 +108,24 @@ def tuned_env(environ: Mapping[str, str], libc: tuple[str, str] | None = None) -
     name, _ = libc if libc is not None else platform.libc_ver()
     if name != "glibc":
         return None
-    return {**environ, "GLIBC_TUNABLES": tunables(switch), _MARK: "1"}
+    env = {**environ, "GLIBC_TUNABLES": TUNABLES, _MARK: "1"}
+    if switch == "auto" and "bigalloc" not in environ.get("LD_PRELOAD", ""):   # not twice
+        lib = (bigalloc or (lambda: bigalloc_library(environ)))()
+        if lib:
+            env["LD_PRELOAD"] = ":".join(p for p in (lib, environ.get("LD_PRELOAD", "")) if p)
+        else:
+            env[_MARK] = "no-bigalloc"   # for describe(): 'auto' without a working C compiler
+    return env
 
 
 def describe(environ: Mapping[str, str]) -> str:
     """One line for the start-up log: which allocator this process runs with."""
     if environ.get(_MARK):
-        one = ONE_ARENA in environ.get("GLIBC_TUNABLES", "")
-        return f"glibc malloc tuned{', one arena' if one else ''} (GLIBC_TUNABLES, see tacl_jax.hostenv)"
+        if "bigalloc" in environ.get("LD_PRELOAD", ""):
+            return "glibc malloc tuned + bigalloc (GLIBC_TUNABLES, LD_PRELOAD; see tacl_jax.hostenv)"
+        why = ("bigalloc not built: no working C compiler `cc`" if environ[_MARK] == "no-bigalloc"
+               else f"{SWITCH}=glibc")
+        return f"glibc malloc tuned, without bigalloc ({why}; see tacl_jax.hostenv)"
     if environ.get(SWITCH, "").strip().lower() == "off":
         return f"system default ({SWITCH}=off)"
     if environ.get("GLIBC_TUNABLES"):
@@ -102,12 +147,27 @@ def maybe_reexec(module: str) -> None:
     os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], env)
 
 
+def bigalloc_stats() -> dict[str, int] | None:
+    """The bigalloc shim's counters in this process (blocks mapped, requests served by reuse, blocks
+    unmapped, waits for a block in use that timed out), or None when it is not loaded."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None).tacl_bigalloc_stats
+    except AttributeError:
+        return None
+    vals = [ctypes.c_ulong() for _ in range(4)]
+    fn(*[ctypes.byref(v) for v in vals])
+    return dict(zip(("mapped", "reused", "unmapped", "timeouts"), (v.value for v in vals)))
+
+
 def page_faults_of_reuse(nbytes: int = 256 << 20, in_thread: bool = False) -> int:
     """Minor page faults of touching a fresh ``nbytes`` malloc after an equal one was freed: ~0
     when the allocator reuses the block, ``nbytes / 4 KiB`` when it maps new memory (glibc's
-    default; ``nbytes / 2 MiB`` where the new mapping gets transparent huge pages). ``in_thread``: measured on a new thread, as XLA allocates (a thread arena of its own
-    unless ``arena_max=1``, see the module doc). Linux/glibc only; what ``python -m
-    tacl_jax.hostenv`` reports."""
+    default; ``nbytes / 2 MiB`` where the new mapping gets transparent huge pages). ``in_thread``:
+    measured on a new thread, as XLA allocates (glibc: a thread arena of its own, which maps a
+    block this big afresh; see the module doc). Linux/glibc only; what ``python -m tacl_jax.hostenv``
+    reports."""
     import ctypes
     import resource
     import threading
@@ -144,6 +204,8 @@ if __name__ == "__main__":
     maybe_reexec("tacl_jax.hostenv")
     import json
 
-    print(json.dumps({"GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES"), "reexecuted": bool(os.environ.get(_MARK)),
-                      "libc": "-".join(platform.libc_ver()), "page_faults_256mb_reuse": page_faults_of_reuse(),
-                      "page_faults_256mb_reuse_thread": page_faults_of_reuse(in_thread=True)}))
+    report = {"allocator": describe(os.environ), "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES"),
+              "LD_PRELOAD": os.environ.get("LD_PRELOAD"), "reexecuted": bool(os.environ.get(_MARK)),
+              "libc": "-".join(platform.libc_ver()), "page_faults_256mb_reuse": page_faults_of_reuse(),
+              "page_faults_256mb_reuse_thread": page_faults_of_reuse(in_thread=True)}
+    print(json.dumps({**report, "bigalloc": bigalloc_stats()}))

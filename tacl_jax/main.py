@@ -57,5 +57,5 @@ def _show_fill_mask(workdir: str, text: str) -> None:
 if __name__ == "__main__":
     from tacl_jax import hostenv
 
-    hostenv.maybe_reexec("tacl_jax.main")   # glibc malloc that reuses XLA's step buffers
+    hostenv.maybe_reexec("tacl_jax.main")   # an allocator that reuses XLA's step buffers
     app.run(main)
