@@ -15,8 +15,8 @@ steps of ``small`` bf16; at ``base`` fp32 ~1,000 huge-page faults and 0.4-0.8 s 
    compiler into ``~/.cache/tacl_jax``), for XLA's threads: a thread's glibc arena is made of
    64 MiB heaps, so for a bigger block glibc still maps and unmaps *despite* ``mmap_max=0``
    (``strace`` at ``base`` fp32: one 1,176,035,328-byte ``mmap`` + ``munmap`` per step). bigalloc
-   gives every request of >= 64 MiB a mapping of its own and keeps it when freed for the next
-   request it fits. XLA mallocs the next step's buffer at about the instant it frees the last one
+   gives every request of >= 64 MiB made off the main thread a mapping of its own and keeps it
+   when freed for the next request it fits. XLA mallocs the next step's buffer at about the instant it frees the last one
    (``strace``: the ``mmap`` 59 us *before* the ``munmap``), so a request waits up to 5 ms for a
    fitting block that is in use; a request that nothing fits unmaps the free blocks (the
    initialisation's buffers are not kept resident beside the training step's). The main thread's
