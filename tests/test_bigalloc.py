@@ -28,10 +28,7 @@ PRELUDE = textwrap.dedent("""
                             ("posix_memalign", ctypes.c_int, [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_size_t])]:
         fn = getattr(libc, name); fn.restype = res; fn.argtypes = args
     MB = 1 << 20
-    def stats():
-        v = [ctypes.c_ulong() for _ in range(4)]
-        libc.tacl_bigalloc_stats(*[ctypes.byref(x) for x in v])
-        return dict(zip(("mapped", "reused", "unmapped", "timeouts"), (x.value for x in v)))
+    from tacl_jax.hostenv import bigalloc_stats as stats
     def on_thread(fn):
         out = []
         t = threading.Thread(target=lambda: out.append(fn())); t.start(); t.join()
