@@ -118,6 +118,8 @@ ABLATIONS = {
     # flax's nn.Dropout (one threefry block per element) instead of four 16-bit uniforms per block
     # (tacl_jax.models.dropout).
     "dropout_bits32": {"dropout_bits": 32},
+    # optax's clip + adamw chain instead of the same update fused per parameter (optim.fused).
+    "optax_adamw": {"optax_adamw": True},
     # The process's allocator, not a flag of the step: glibc's defaults, or the glibc tunables
     # without the bigalloc shim, instead of both (tacl_jax.hostenv) that every other row, the
     # peer's included, runs with.
@@ -162,7 +164,7 @@ def _malloc_env(env: dict, malloc: str | None = None) -> dict:
     sys.path.insert(0, REPO)
     from tacl_jax import hostenv
 
-    env = {k: v for k, v in env.items() if k not in ("GLIBC_TUNABLES", "LD_PRELOAD", hostenv._MARK, hostenv.SWITCH)}
+    env = {k: v for k, v in env.items() if k not in hostenv.ALLOCATOR_VARS}
     if malloc in ("tuned", "glibc"):
         tuned = hostenv.tuned_env({**env, hostenv.SWITCH: "auto" if malloc == "tuned" else "glibc"})
         if tuned is None or (malloc == "tuned" and "bigalloc" not in tuned.get("LD_PRELOAD", "")):
@@ -284,6 +286,7 @@ def _build_ours(args):
     c.model.dropout_bits = args.dropout_bits
     # The full-vocabulary head needs every position's last-layer state.
     c.model.gather_last_layer = not (args.full_last_layer or args.full_vocab_head)
+    c.optim.fused = not args.optax_adamw
     if args.no_dropout:
         c.model.hidden_dropout_prob = 0.0
         c.model.attention_probs_dropout_prob = 0.0
@@ -697,6 +700,7 @@ def parse_args(argv=None):
     p.add_argument("--prng", default="threefry", help=argparse.SUPPRESS)
     p.add_argument("--teacher_dtype", default="compute", help=argparse.SUPPRESS)
     p.add_argument("--no_dropout", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--optax_adamw", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dropout_bits", type=int, default=16, help=argparse.SUPPRESS)
     p.add_argument("--full_flops", action="store_true",
                    help="MFU from FLOPs with the last layer at every position (see the module doc)")

@@ -99,6 +99,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.optim.b2 = 0.999
     c.optim.eps = 1e-8
     c.optim.clip_norm = 1.0              # 0 = no clipping
+    c.optim.fused = True                 # optax clip+adamw without the clipped-gradient copy (train/optimizer.py)
 
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
     c.mesh_devices = 0                   # use only the first N devices (0 = all)

@@ -53,6 +53,9 @@ from typing import Callable, Mapping
 TUNABLES = "glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
 SWITCH = "TACL_MALLOC_TUNING"          # 'auto' (default: tunables + bigalloc) | 'glibc' (tunables) | 'off'
 _MARK = "TACL_MALLOC_TUNED"            # set in the re-executed process: never loop
+# Every variable tuned_env reads or sets: a caller that picks the allocator itself (the bench's
+# workers) clears these first.
+ALLOCATOR_VARS = ("GLIBC_TUNABLES", "LD_PRELOAD", _MARK, SWITCH)
 BIGALLOC_SOURCE = Path(__file__).with_name("bigalloc.c")
 
 

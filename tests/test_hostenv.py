@@ -20,6 +20,8 @@ def test_decision_table():
     env = hostenv.tuned_env({"PATH": "/bin"}, GLIBC, bigalloc=lib)
     assert env["GLIBC_TUNABLES"] == hostenv.TUNABLES and env["PATH"] == "/bin" and env[hostenv._MARK] == "1"
     assert env["LD_PRELOAD"] == "/cache/bigalloc-0.so"
+    # ALLOCATOR_VARS names every variable it sets (the bench clears them to choose its own).
+    assert set(env) - {"PATH"} <= set(hostenv.ALLOCATOR_VARS)
     # The shim goes first (it must interpose malloc); another preloaded library is kept.
     env = hostenv.tuned_env({"LD_PRELOAD": "/lib/libfoo.so"}, GLIBC, bigalloc=lib)
     assert env["LD_PRELOAD"] == "/cache/bigalloc-0.so:/lib/libfoo.so"
@@ -44,8 +46,7 @@ def test_decision_table():
 
 
 def _report(extra_env):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("GLIBC_TUNABLES", "LD_PRELOAD", hostenv._MARK, hostenv.SWITCH)}
+    env = {k: v for k, v in os.environ.items() if k not in hostenv.ALLOCATOR_VARS}
     env.update(extra_env)
     out = subprocess.run([sys.executable, "-m", "tacl_jax.hostenv"], env=env, capture_output=True, text=True,
                          timeout=120, check=True)
