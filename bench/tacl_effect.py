@@ -101,15 +101,15 @@ def main(argv=None) -> dict:
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
     if len(seeds) == 1:
         args.seed = seeds[0]
-        result = compare(args, out)
+        result = compare(args, out)      # writes out/tacl_effect.json
     else:
         per_seed = {}
         for seed in seeds:
             args.seed = seed
             per_seed[seed] = compare(args, os.path.join(out, f"seed_{seed}"))
         result = {"seeds": per_seed, "summary": summarize(per_seed)}
-    with open(os.path.join(out, "tacl_effect.json"), "w") as f:
-        json.dump(result, f, indent=1)
+        with open(os.path.join(out, "tacl_effect.json"), "w") as f:
+            json.dump(result, f, indent=1)
     print(json.dumps(result))
     return result
 

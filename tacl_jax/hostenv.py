@@ -16,12 +16,13 @@ steps of ``small`` bf16; at ``base`` fp32 ~1,000 huge-page faults and 0.4-0.8 s 
    64 MiB heaps, so for a bigger block glibc still maps and unmaps *despite* ``mmap_max=0``
    (``strace`` at ``base`` fp32: one 1,176,035,328-byte ``mmap`` + ``munmap`` per step). bigalloc
    gives every request of >= 64 MiB made off the main thread a mapping of its own and keeps it
-   when freed for the next request it fits. XLA mallocs the next step's buffer at about the instant it frees the last one
-   (``strace``: the ``mmap`` 59 us *before* the ``munmap``), so a request waits up to 5 ms for a
-   fitting block that is in use; a request that nothing fits unmaps the free blocks (the
-   initialisation's buffers are not kept resident beside the training step's). The main thread's
-   big blocks stay with glibc's heap, which the tunables make reuse them and which coalesces mixed
-   sizes (a per-size cache churned under the PyTorch peer's autograd). Measured in interleaved
+   when freed for the next request it fits. XLA mallocs the next step's buffer at about the
+   instant it frees the last one (``strace``: the ``mmap`` 59 us *before* the ``munmap``), so a
+   request waits up to 5 ms for a fitting block that is in use; a request that nothing fits
+   unmaps the free blocks (the initialisation's buffers are not kept resident beside the training
+   step's). The main thread's big blocks stay with glibc's heap, which the tunables make reuse
+   them and which coalesces mixed sizes (a per-size cache churned under the PyTorch peer's
+   autograd). Measured in interleaved
    worker processes (``bench/step_throughput.py --worker=ours``, ``base`` fp32, 6 steps): median
    step 4.08 / 4.07 s vs 4.35 / 4.23 s with the tunables alone (1.06x / 1.04x), kernel time per
    process 10.6 / 11.1 s vs 19.6 / 12.3 s, peak RSS 3,825 / 3,848 vs 3,821 / 3,816 MB.

@@ -45,16 +45,12 @@ def optax_adamw(schedule: optax.Schedule, *, b1: float, b2: float, eps: float, w
     return optax.chain(*chain)
 
 
-def _the(state, cls):
-    """The one ``cls`` node of an optax state tree."""
-    found = [s for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, cls)) if isinstance(s, cls)]
-    if len(found) != 1:
-        raise ValueError(f"fused_adamw: expected one {cls.__name__} in the optimizer state, found {len(found)}")
-    return found[0]
-
-
-def _with(state, cls, new):
-    return jax.tree.map(lambda s: new if isinstance(s, cls) else s, state, is_leaf=lambda s: isinstance(s, cls))
+def _node(state, cls):
+    """The one ``cls`` node of an optax state tree (found by its NamedTuple name)."""
+    node = optax.tree_utils.tree_get(state, cls.__name__)
+    if not isinstance(node, cls):
+        raise ValueError(f"fused_adamw: no {cls.__name__} in the optimizer state; it takes the state of its own init")
+    return node
 
 
 def fused_adamw(schedule: optax.Schedule, *, b1: float, b2: float, eps: float, weight_decay: float,
@@ -70,7 +66,7 @@ def fused_adamw(schedule: optax.Schedule, *, b1: float, b2: float, eps: float, w
     def update(grads, state, params=None):
         if params is None:
             raise ValueError("fused_adamw needs the params (weight decay): tx.update(grads, state, params)")
-        adam, sched = _the(state, optax.ScaleByAdamState), _the(state, optax.ScaleByScheduleState)
+        adam, sched = _node(state, optax.ScaleByAdamState), _node(state, optax.ScaleByScheduleState)
         count = optax.safe_increment(adam.count)
         c1, c2 = 1 - b1 ** count, 1 - b2 ** count            # f32 scalars, as optax's bias correction
         step_size = -schedule(sched.count)
@@ -96,10 +92,9 @@ def fused_adamw(schedule: optax.Schedule, *, b1: float, b2: float, eps: float, w
         parts = [treedef.flatten_up_to(t) for t in (grads, adam.mu, adam.nu, params, mask(params))]
         out = [leaf(*xs) for xs in zip(*parts)]
         updates, mu, nu = (treedef.unflatten([o[i] for o in out]) for i in range(3))
-        state = _with(state, optax.ScaleByAdamState, optax.ScaleByAdamState(count=count, mu=mu, nu=nu))
-        state = _with(state, optax.ScaleByScheduleState,
-                      optax.ScaleByScheduleState(count=optax.safe_increment(sched.count)))
-        return updates, state
+        return updates, optax.tree_utils.tree_set(
+            state, ScaleByAdamState=optax.ScaleByAdamState(count=count, mu=mu, nu=nu),
+            ScaleByScheduleState=optax.ScaleByScheduleState(count=optax.safe_increment(sched.count)))
 
     return optax.GradientTransformation(reference.init, update)
 
