@@ -2,6 +2,11 @@
 
 from setuptools import find_packages, setup
 
+# jax's own extras pin the compiler plugins to its version (jax[tpu] 0.10.2 requires libtpu
+# 0.0.42.*, jax[cuda12-local] the CUDA plugin 0.10.2), so the extras below repeat this specifier
+# rather than a version: pip resolves one jax for both, and the plugin matches it.
+JAX = ">=0.7"
+
 setup(
     name="tacl_jax",
     version="0.1.0",
@@ -10,10 +15,11 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["tacl_jax", "tacl_jax.*"]),
     # The allocator shim's source: tacl_jax.hostenv compiles it at first use (see its module doc).
-    package_data={"tacl_jax": ["bigalloc.c"]},
+    # The XLA GPU target descriptions: tacl_jax.topology compiles for GPUs without one with them.
+    package_data={"tacl_jax": ["bigalloc.c", "targets/*.txtpb"]},
     python_requires=">=3.11",  # what current jax and flax require
     install_requires=[
-        "jax>=0.7",
+        "jax" + JAX,
         "flax>=0.11",
         "optax>=0.2.5",
         "orbax-checkpoint>=0.11",
@@ -36,5 +42,10 @@ setup(
         "test": ["pytest>=8", "torch==2.13.0"],
         "tpu": ["jax[tpu]"],
         "gpu": ["jax[cuda12]"],
+        # Compiling for Cloud TPU topologies without a TPU (tacl_jax.topology): libtpu, ~680 MB.
+        "aot": ["jax[tpu]" + JAX],
+        # Compiling for GPUs without a GPU: the CUDA PJRT plugin, no CUDA libraries (~180 MB).
+        # Install it in a separate environment, not beside "aot" (launch/aot_gpu_env.sh).
+        "aot-gpu": ["jax[cuda12-local]" + JAX],
     },
 )

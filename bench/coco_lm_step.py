@@ -107,7 +107,7 @@ def coco_lm_row(size: str = "small", precision: str = "bf16", steps: int = 10, w
                model_gflops=achieved / 1e9, matmul_f32_gflops=peaks["f32"] / 1e9,
                matmul_bf16_gflops=peaks["bf16"] / 1e9, mfu_of_f32_peak=achieved / peaks["f32"],
                mfu_of_bf16_peak=achieved / peaks["bf16"])
-    table = flops_lib.peak_flops_per_device()
+    table = flops_lib.peak_flops_of_kind(jax.devices()[0].device_kind)
     if table:
         row["mfu"] = achieved / table
     for k in ("loss", "gen_mlm_loss", "binary_loss", "binary_acc", "clm_loss", "scl_loss", "replaced_frac"):

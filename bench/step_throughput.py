@@ -166,7 +166,9 @@ def _malloc_env(env: dict, malloc: str | None = None) -> dict:
 
     env = {k: v for k, v in env.items() if k not in hostenv.ALLOCATOR_VARS}
     if malloc in ("tuned", "glibc"):
-        tuned = hostenv.tuned_env({**env, hostenv.SWITCH: "auto" if malloc == "tuned" else "glibc"})
+        # The workers run on the CPU (JAX_PLATFORMS=cpu below), whatever accelerator the host has.
+        tuned = hostenv.tuned_env({**env, "JAX_PLATFORMS": "cpu",
+                                   hostenv.SWITCH: "auto" if malloc == "tuned" else "glibc"})
         if tuned is None or (malloc == "tuned" and "bigalloc" not in tuned.get("LD_PRELOAD", "")):
             raise SystemExit(f"--malloc={malloc}: not available here (needs glibc, and for 'tuned' a working C "
                              "compiler `cc` to build the bigalloc shim); pass --malloc=glibc or --malloc=system")
@@ -221,7 +223,7 @@ def _build_ours(args):
     from tacl_jax import config as config_lib
     from tacl_jax import parallel, tokens
     from tacl_jax.data import synthetic
-    from tacl_jax.train import loop
+    from tacl_jax.train import setup
     from tacl_jax.train.optimizer import make_optimizer
     from tacl_jax.train.step import make_train_step, step_config_from
 
@@ -294,16 +296,16 @@ def _build_ours(args):
 
     mesh = parallel.make_mesh(dict(data=1, fsdp=1, tensor=1), jax.devices()[:1])
     rules = parallel.LOGICAL_AXIS_RULES
-    model, _ = loop.build_model(c)
+    model, _ = setup.build_model(c)
     if args.full_vocab_head:
         model = _full_head_model(model)
     tx, schedule = make_optimizer(c.optim, c.num_train_steps)
-    state, state_sh = loop.create_state(model, tx, mesh, rules, c.seed, c.max_len)
+    state, state_sh = setup.create_state(model, tx, mesh, rules, c.seed, c.max_len)
     special = tokens.default_special_ids(VOCAB)
     step_cfg = step_config_from(c, special)
-    teacher, teacher_sh = loop.create_teacher(state.params, state_sh.params, c.tacl.teacher_param_dtype,
+    teacher, teacher_sh = setup.create_teacher(state.params, state_sh.params, c.tacl.teacher_param_dtype,
                                               model.config.dtype)
-    train_step = make_train_step(model, step_cfg, tx, schedule, teacher_model=loop.teacher_of(model))
+    train_step = make_train_step(model, step_cfg, tx, schedule, teacher_model=setup.teacher_of(model))
 
     def batch(step):
         return synthetic.global_batch(c.seed, step, c.global_batch_size, max_len=c.max_len, vocab_size=VOCAB,
@@ -382,7 +384,7 @@ def worker_breakdown(args) -> dict:
     import jax.numpy as jnp
 
     from tacl_jax.objectives import mask_tokens, objective_sums
-    from tacl_jax.train.loop import teacher_of
+    from tacl_jax.train.setup import teacher_of
     from tacl_jax.train.step import make_loss_and_grads, student_forward
 
     b = _build_ours(args)

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 def export_checkpoint(workdir: str, out: str, step: int | None = None, head: str = "mlm") -> str:
     """Restore ``workdir``'s checkpoint ``step`` (default: the latest) and write it to ``out``."""
-    from tacl_jax.train import loop  # the loop's model and state builders, so shapes match exactly
+    from tacl_jax.train import setup  # the run's model and state builders, so shapes match exactly
 
     if head not in ("mlm", "none"):
         raise ValueError(f"--head={head!r}: use 'mlm' (BertForMaskedLM) or 'none' (BertModel)")
@@ -42,16 +42,12 @@ def export_checkpoint(workdir: str, out: str, step: int | None = None, head: str
     if step not in steps:
         raise ValueError(f"no checkpoint of step {step} in {ckpt_dir}; available: {steps}")
     config = ml_collections.ConfigDict(mgr.restore_config(step))
-    model = loop.model_from_config(config)
+    # COCO-LM: the checkpoint holds the generator and heads too; the export is the main model.
+    model = setup.model_from_config(config)
     coco = config.objective == "coco_lm"
-    if coco:  # the checkpoint holds the generator and heads too; the export is the main model
-        from tacl_jax.models.coco_lm import CocoLM
-        bert = model
-        model = CocoLM.build(bert.config.replace(with_pooler=False), config.coco_lm.generator_layers,
-                             config.coco_lm.scl_dim)
     tx, _ = make_optimizer(config.optim, config.num_train_steps)
     mesh = parallel.make_mesh(dict(data=-1, fsdp=1, tensor=1), jax.local_devices())
-    abstract, _ = loop.state_shardings(model, tx, mesh, parallel.rules_from_config(config.logical_axis_rules),
+    abstract, _ = setup.state_shardings(model, tx, mesh, parallel.rules_from_config(config.logical_axis_rules),
                                        config.max_len)
     state, _, _ = mgr.restore(step, abstract)
     mgr.close()

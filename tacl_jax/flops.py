@@ -20,8 +20,6 @@ MFU = achieved model FLOP/s per device ÷ the device's peak dense bf16 FLOP/s (t
 
 from __future__ import annotations
 
-import jax
-
 # Peak dense bf16 FLOP/s per chip/GPU, from the vendors' spec sheets.
 PEAK_FLOPS = {
     "TPU v4": 275e12,
@@ -60,11 +58,9 @@ def step_flops(cfg, *, batch: int, length: int, predictions: int, teacher: bool,
     return float(total)
 
 
-def peak_flops_per_device(override: float = 0.0) -> float | None:
-    """The table's peak for this run's device kind, ``override`` when > 0, else None (unknown)."""
-    if override > 0:
-        return float(override)
-    kind = jax.devices()[0].device_kind
+def peak_flops_of_kind(kind: str) -> float | None:
+    """The table's peak for a device kind (``jax.Device.device_kind``: the target's, which for a
+    compile-only topology is not this host's), None when unknown."""
     for name, peak in sorted(PEAK_FLOPS.items(), key=lambda kv: -len(kv[0])):
         if kind.lower().startswith(name.lower()):
             return peak

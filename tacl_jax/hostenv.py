@@ -39,6 +39,14 @@ once with them (``maybe_reexec``). Left alone: ``TACL_MALLOC_TUNING=off``, a pro
 ``TACL_MALLOC_TUNING=glibc`` takes the tunables without bigalloc (also what ``auto`` falls back to
 where no C compiler works). bigalloc's knobs: ``TACL_BIGALLOC_MIN_MB`` (64), ``TACL_BIGALLOC_CACHE_MB``
 (4096: freed blocks kept at most), ``TACL_BIGALLOC_WAIT_US`` (5000).
+
+Only for XLA:CPU. On a Cloud TPU VM or a GPU host the step's buffers live in device memory, so
+``auto`` (the default) tunes nothing where the run will use TPU or GPU devices. That is decided
+before jax is imported (``run_platform``): ``JAX_PLATFORMS`` (its first entry; ``cpu`` there tunes
+even on a TPU VM), else TPU chips (``/dev/accel*``, ``/dev/vfio/<n>``), NVIDIA (``/dev/nvidia<n>``
+unless ``CUDA_VISIBLE_DEVICES`` is '' or -1) or AMD (``/dev/kfd``) GPUs that an installed jax
+plugin can drive, else CPU; the log's ``allocator:`` line says which and why. ``glibc`` is an
+explicit request and applies the tunables whatever the platform.
 """
 
 from __future__ import annotations
@@ -46,18 +54,96 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Mapping
 
 TUNABLES = "glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
-SWITCH = "TACL_MALLOC_TUNING"          # 'auto' (default: tunables + bigalloc) | 'glibc' (tunables) | 'off'
+SWITCH = "TACL_MALLOC_TUNING"          # 'auto' (default: tunables + bigalloc on CPU runs) | 'glibc' (tunables) | 'off'
 _MARK = "TACL_MALLOC_TUNED"            # set in the re-executed process: never loop
 # Every variable tuned_env reads or sets: a caller that picks the allocator itself (the bench's
 # workers) clears these first.
 ALLOCATOR_VARS = ("GLIBC_TUNABLES", "LD_PRELOAD", _MARK, SWITCH)
 BIGALLOC_SOURCE = Path(__file__).with_name("bigalloc.c")
+
+
+# JAX_PLATFORMS names (jax's aliases) -> the platform; another name (a plugin's) stands for itself.
+_PLATFORM_NAMES = {"cpu": "cpu", "tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}
+# GPU device files -> the variable that hides them when '' or -1, and the plugin name part jax needs.
+_GPU_DEVICES = ((re.compile(r"nvidia\d+|dxg"), "CUDA_VISIBLE_DEVICES", "cuda"),   # dxg: WSL2
+                (re.compile(r"kfd"), "HIP_VISIBLE_DEVICES", "rocm"))
+_TPU_DEVICES = re.compile(r"accel\d+|vfio/\d+")   # Cloud TPU VMs: v2-v4 accel<n>, v5e and later vfio/<n>
+
+
+def dev_entries(root: str = "/dev") -> list[str]:
+    """The names under ``root`` (``/dev``), and ``vfio/<name>`` for those under ``root/vfio``: what
+    ``run_platform`` reads."""
+    names = []
+    for sub in ("", "vfio"):
+        try:
+            names += [os.path.join(sub, n) for n in os.listdir(os.path.join(root, sub))]
+        except OSError:
+            pass
+    return names
+
+
+def jax_plugins(environ: Mapping[str, str] = os.environ) -> frozenset[str]:
+    """The accelerator platforms jax could drive here, found without importing jax (which must not
+    be imported before the re-exec): 'tpu' with ``libtpu`` (or ``TPU_LIBRARY_PATH``), 'gpu' with a
+    CUDA or ROCm PJRT plugin (a module of the ``jax_plugins`` namespace or a ``jax_plugins`` entry
+    point, as jax discovers them). Without its plugin jax runs on the CPU beside a GPU or TPU."""
+    import importlib.util
+    import pkgutil
+    from importlib.metadata import entry_points
+
+    found = set()
+    if environ.get("TPU_LIBRARY_PATH") or importlib.util.find_spec("libtpu"):
+        found.add("tpu")
+    try:
+        spec = importlib.util.find_spec("jax_plugins")
+    except (ImportError, ValueError):
+        spec = None
+    names = [m.name for m in pkgutil.iter_modules(spec.submodule_search_locations)] if spec and \
+        spec.submodule_search_locations else []
+    names += [ep.name for ep in entry_points(group="jax_plugins")]
+    if any(kind in name.lower() for name in names for _, _, kind in _GPU_DEVICES):
+        found.add("gpu")
+    return frozenset(found)
+
+
+def run_platform(environ: Mapping[str, str] = os.environ, dev: Iterable[str] | None = None,
+                 plugins: Iterable[str] | None = None) -> tuple[str, str]:
+    """The platform jax will run this process's computations on, decided without importing jax:
+    ('cpu' | 'tpu' | 'gpu' | another ``JAX_PLATFORMS`` name, why). Pure given ``dev`` (names under
+    /dev, ``vfio/<n>`` for /dev/vfio's; default ``dev_entries()``) and ``plugins`` (default
+    ``jax_plugins(environ)``, looked at only when a device is found).
+
+    As jax picks its default backend: ``JAX_PLATFORMS``'s first entry (then the deprecated
+    ``JAX_PLATFORM_NAME``) wins, found devices or not; else TPU chips, else visible NVIDIA or AMD
+    GPUs, each only where the jax plugin for it is installed; else the CPU."""
+    for var in ("JAX_PLATFORMS", "JAX_PLATFORM_NAME"):
+        first = environ.get(var, "").split(",")[0].strip().lower()
+        if first:
+            return _PLATFORM_NAMES.get(first, first), f"{var}={environ[var]}"
+    dev = sorted(dev_entries() if dev is None else dev, key=lambda n: [int(t) if t.isdigit() else t
+                                                                      for t in re.split(r"(\d+)", n)])
+    tpus = [f"/dev/{n}" for n in dev if _TPU_DEVICES.fullmatch(n)]
+    gpus, hidden = [], []
+    for pattern, var, _ in _GPU_DEVICES:
+        found = [f"/dev/{n}" for n in dev if pattern.fullmatch(n)]
+        if found and var in environ and environ[var].split(",")[0].strip() in ("", "-1"):
+            hidden.append(f"{', '.join(found)} hidden by {var}={environ[var]!r}")
+        else:
+            gpus += found
+    if tpus or gpus:
+        plugins = jax_plugins(environ) if plugins is None else frozenset(plugins)
+        for name, found in (("tpu", tpus), ("gpu", gpus)):
+            if found and name in plugins:
+                return name, ", ".join(found)
+        hidden.append(f"{', '.join(tpus + gpus)} without an installed jax plugin for them")
+    return "cpu", "; ".join(hidden) or "no TPU or GPU device under /dev"
 
 
 def _cache_dir(environ: Mapping[str, str]) -> Path:
@@ -91,16 +177,19 @@ def bigalloc_library(environ: Mapping[str, str] = os.environ) -> str | None:
 
 
 def tuned_env(environ: Mapping[str, str], libc: tuple[str, str] | None = None,
-              bigalloc: Callable[[], str | None] | None = None) -> dict[str, str] | None:
+              bigalloc: Callable[[], str | None] | None = None,
+              run_on: tuple[str, str] | None = None) -> dict[str, str] | None:
     """The environment to re-execute with, or None when nothing should change. Pure but for
-    ``bigalloc`` (default: ``bigalloc_library``, called only when 'auto' needs it).
+    ``bigalloc`` (default: ``bigalloc_library``, called only when 'auto' needs it) and
+    ``run_on`` (default: ``run_platform(environ)``, asked only for 'auto').
 
     ``libc``: ``platform.libc_ver()`` (default: this process's). The switch ``TACL_MALLOC_TUNING``:
     'auto' -> ``TUNABLES`` and the bigalloc shim first in ``LD_PRELOAD`` (the tunables alone where
-    it cannot be built), 'glibc' -> ``TUNABLES`` only. Nothing changes when the switch is 'off',
-    when the process was already re-executed, when ``GLIBC_TUNABLES`` is set (the user's own
-    choice wins), when an allocator is preloaded (``LD_PRELOAD`` names malloc), or when the C
-    library is not glibc.
+    it cannot be built) when the run uses CPU devices, nothing on a TPU or GPU run (the tuning is
+    for XLA:CPU's step buffers); 'glibc' -> ``TUNABLES`` only, on any platform (asked for by
+    name). Nothing changes when the switch is 'off', when the process was already re-executed,
+    when ``GLIBC_TUNABLES`` is set (the user's own choice wins), when an allocator is preloaded
+    (``LD_PRELOAD`` names malloc), or when the C library is not glibc.
     """
     switch = environ.get(SWITCH, "auto").strip().lower()
     if switch not in ("auto", "glibc", "off"):
@@ -112,6 +201,8 @@ def tuned_env(environ: Mapping[str, str], libc: tuple[str, str] | None = None,
     name, _ = libc if libc is not None else platform.libc_ver()
     if name != "glibc":
         return None
+    if switch == "auto" and (run_on or run_platform(environ))[0] != "cpu":
+        return None
     env = {**environ, "GLIBC_TUNABLES": TUNABLES, _MARK: "1"}
     if switch == "auto" and "bigalloc" not in environ.get("LD_PRELOAD", ""):   # not twice
         lib = (bigalloc or (lambda: bigalloc_library(environ)))()
@@ -122,20 +213,28 @@ def tuned_env(environ: Mapping[str, str], libc: tuple[str, str] | None = None,
     return env
 
 
-def describe(environ: Mapping[str, str]) -> str:
-    """One line for the start-up log: which allocator this process runs with."""
+def describe(environ: Mapping[str, str], run_on: tuple[str, str] | None = None) -> str:
+    """One line for the start-up log: which allocator this process runs with, and why. ``run_on``:
+    ``run_platform(environ)`` by default, decided again here (nothing records it when there was no
+    re-exec; the same environment and /dev give the same answer)."""
     if environ.get(_MARK):
         if "bigalloc" in environ.get("LD_PRELOAD", ""):
             return "glibc malloc tuned + bigalloc (GLIBC_TUNABLES, LD_PRELOAD; see tacl_jax.hostenv)"
         why = ("bigalloc not built: no working C compiler `cc`" if environ[_MARK] == "no-bigalloc"
                else f"{SWITCH}=glibc")
         return f"glibc malloc tuned, without bigalloc ({why}; see tacl_jax.hostenv)"
-    if environ.get(SWITCH, "").strip().lower() == "off":
+    switch = environ.get(SWITCH, "auto").strip().lower()
+    if switch == "off":
         return f"system default ({SWITCH}=off)"
     if environ.get("GLIBC_TUNABLES"):
         return f"GLIBC_TUNABLES={environ['GLIBC_TUNABLES']} (set by the caller)"
     if "malloc" in environ.get("LD_PRELOAD", ""):
         return f"preloaded {environ['LD_PRELOAD']}"
+    if switch == "auto":
+        name, why = run_on or run_platform(environ)
+        if name != "cpu":
+            return (f"system default (the run uses {name.upper()} devices: {why}; the allocator tuning is "
+                    f"for XLA:CPU only, {SWITCH}=glibc forces the tunables)")
     return "system default"
 
 
@@ -208,7 +307,8 @@ if __name__ == "__main__":
     maybe_reexec("tacl_jax.hostenv")
     import json
 
-    report = {"allocator": describe(os.environ), "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES"),
+    report = {"allocator": describe(os.environ), "platform": run_platform(os.environ),
+              "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES"),
               "LD_PRELOAD": os.environ.get("LD_PRELOAD"), "reexecuted": bool(os.environ.get(_MARK)),
               "libc": "-".join(platform.libc_ver()), "page_faults_256mb_reuse": page_faults_of_reuse(),
               "page_faults_256mb_reuse_thread": page_faults_of_reuse(in_thread=True)}

@@ -58,4 +58,8 @@ if __name__ == "__main__":
     from tacl_jax import hostenv
 
     hostenv.maybe_reexec("tacl_jax.main")   # an allocator that reuses XLA's step buffers
+    # No TPU or GPU here: say so to jax, so that an installed libtpu (the aot extra) does not probe
+    # for chips at start-up (seconds of warnings); a JAX_PLATFORMS the user set is left alone.
+    if "JAX_PLATFORMS" not in os.environ and hostenv.run_platform()[0] == "cpu":
+        os.environ["JAX_PLATFORMS"] = "cpu"
     app.run(main)

@@ -241,6 +241,23 @@ def data_parallel_size(mesh: Mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
+def rules_without(rules: Sequence, axes: Sequence[str]) -> tuple:
+    """``rules`` with the mesh ``axes`` dropped from every target (a target left empty maps to
+    None). Inside a ``shard_map`` that is manual over ``axes`` the model's logical constraints
+    may name only the remaining (automatic) axes: the manual ones are already split."""
+    drop = set(axes)
+
+    def strip(target):
+        if target is None:
+            return None
+        names = (target,) if isinstance(target, str) else tuple(target)
+        kept = tuple(a for a in names if a not in drop)
+        if not kept:
+            return None
+        return kept[0] if len(kept) == 1 else kept
+    return tuple((name, strip(target)) for name, target in rules)
+
+
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Rows over ``data`` × ``fsdp``, everything else replicated."""
     return NamedSharding(mesh, P(("data", "fsdp"), *([None] * (ndim - 1))))

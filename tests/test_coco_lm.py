@@ -263,6 +263,31 @@ def test_k_micro_batches_equal_one_batch():
     assert len(set(lengths[i::4].sum() for i in range(4))) > 1, "micro-batches of equal size test no weighting"
 
 
+@pytest.mark.parametrize("negatives", ["global", "local"])
+def test_accumulation_on_a_data_mesh_keeps_the_micro_batch_scl_negatives(negatives):
+    """k = 4 on a 2-device data mesh (``step.accumulate``'s ``shard_map``: each device's loss on
+    its rows, one ``psum`` per step) equals k = 4 on one device (the plain scan), SCL included:
+    'global' negatives are gathered across the shards, 'local' ones are each shard's rows (one
+    group per shard on the single device too). Dropout off: the shards draw their own masks."""
+    from tacl_jax.train.step import shard_map_applies
+
+    config = _no_dropout(coco_config(global_batch_size=16))
+    config.coco_lm.scl_negatives = negatives
+    many = _setup(config, dict(data=2, fsdp=1, tensor=1), jax.devices()[:2])
+    one = _setup(config, dict(data=1, fsdp=1, tensor=1), jax.devices()[:1])
+    assert shard_map_applies(many["mesh"]) and not shard_map_applies(one["mesh"])
+    many["sc"] = dataclasses.replace(many["sc"], grad_accum_steps=4)
+    one["sc"] = dataclasses.replace(many["sc"], scl_groups=many["sc"].scl_groups)   # local: 2 groups
+    batch = _batch(config, 5, one["special"])
+    l1, s1, g1 = _grads(one, batch)
+    l2, s2, g2 = _grads(many, batch)
+    assert s1["scl_nll"] > 0 and s1["n_view"] == 32
+    np.testing.assert_allclose(l2, l1, rtol=1e-5)
+    for k in s1:
+        np.testing.assert_allclose(s2[k], s1[k], rtol=1e-5, atol=1e-5, err_msg=k)
+    _assert_trees_close(g2, g1, rtol=1e-3, atol=1e-5)
+
+
 def _progressions(batch_size, max_len, first, span, seed=0):
     """[CLS] a a+1 a+2 ... [SEP] over ``span`` ids from ``first`` (mod span): a replaced token is
     detectable from its identity while the generator still samples outside those ids, and from

@@ -95,6 +95,68 @@ def test_dropout_sharded_equals_unsharded():
         np.testing.assert_array_equal(np.asarray(out), ref)
 
 
+def test_xla_uniform16_are_the_quarters_of_threefry_blocks_in_slabs_along_axis_minus_2():
+    """``kernels='xla'``: block ``(r, n)`` of the ``[..., M/4, N]`` counters (same threefry, same
+    row-major row rule) holds rows ``r + a·M/4`` (a = 0..3) of column n; shapes it cannot split so
+    (1-d, ``M % 4 != 0``) draw as 'cpu'."""
+    from jax.extend.random import threefry_2x32
+
+    key = jax.random.key(7)
+    shape = (3, 8, 5)                                     # counters [3, 2, 5]
+    rows, cols = np.meshgrid(np.arange(6, dtype=np.uint32), np.arange(5, dtype=np.uint32), indexing="ij")
+    out = np.asarray(threefry_2x32(jax.random.key_data(key), jnp.concatenate([rows.ravel(), cols.ravel()])))
+    w1, w2 = out[:30].reshape(3, 2, 5), out[30:].reshape(3, 2, 5)
+    slabs = np.concatenate([w1 & 0xFFFF, w1 >> 16, w2 & 0xFFFF, w2 >> 16], axis=1)
+    np.testing.assert_array_equal(np.asarray(uniform16(key, shape, "xla")), slabs)
+    for odd in ((10,), (3, 6, 5)):
+        np.testing.assert_array_equal(np.asarray(uniform16(key, odd, "xla")), np.asarray(uniform16(key, odd)))
+
+
+def test_xla_uniform16_is_uniform_and_slabs_are_independent():
+    u = np.asarray(uniform16(jax.random.key(0), (16, 256, 256), "xla")).astype(np.int64)
+    assert u.min() >= 0 and u.max() < 65536
+    counts = np.bincount(u.ravel() >> 10, minlength=64)
+    expected = u.size / 64
+    assert ((counts - expected) ** 2 / expected).sum() < 130
+    # The four quarters of one block (rows r, r + 64, r + 128, r + 192) and neighbouring blocks.
+    x = u.astype(np.float64) / 65536 - 0.5
+    for a, b in ((x[:, :64], x[:, 64:128]), (x[:, 64:128], x[:, 128:192]), (x[:, :64], x[:, 192:]),
+                 (x[:, :63], x[:, 1:64]), (x[:, :, :-1], x[:, :, 1:])):
+        r = np.corrcoef(a.ravel(), b.ravel())[0, 1]
+        assert abs(r) < 5 / np.sqrt(a.size), r
+    assert not np.array_equal(u, np.asarray(uniform16(jax.random.key(1), (16, 256, 256), "xla")))
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.5])
+def test_xla_dropout_keep_fraction_scale_and_mean(rate):
+    x = jax.random.normal(jax.random.key(1), (32, 64, 128), jnp.float32)
+    y = np.asarray(dropout(x, rate, jax.random.key(2), "xla"))
+    x = np.asarray(x)
+    t = drop_threshold(rate)
+    keep = y != 0
+    p_keep = 1 - t / 65536
+    assert abs(keep.mean() - p_keep) < 5 * np.sqrt(p_keep * (1 - p_keep) / x.size)
+    np.testing.assert_allclose(y[keep], x[keep] * np.float32(65536 / (65536 - t)), rtol=1e-6)
+    ones = np.asarray(dropout(jnp.ones((256, 1024)), rate, jax.random.key(4), "xla"))
+    assert abs(ones.mean() - 1) < 5 * np.sqrt((1 - p_keep) / p_keep / ones.size)
+    # A different arrangement than 'cpu' (same key): not the same mask.
+    assert not np.array_equal(ones != 0, np.asarray(dropout(jnp.ones((256, 1024)), rate, jax.random.key(4))) != 0)
+
+
+def test_xla_dropout_sharded_equals_unsharded():
+    """'xla' arrangement: the mask depends only on the key and the shape, whichever axes are
+    sharded (axis -2 included, where blocks cross shards)."""
+    devices = np.array(jax.devices()[:8]).reshape(2, 4)
+    mesh = jax.sharding.Mesh(devices, ("data", "tensor"))
+    x = jax.random.normal(jax.random.key(5), (8, 4, 16, 64), jnp.float32)
+    f = lambda a, k: dropout(a, 0.1, k, "xla")   # noqa: E731
+    ref = np.asarray(jax.jit(f)(x, jax.random.key(6)))
+    for spec in (P("data", "tensor", None, None), P(None, None, None, "tensor"), P("data", None, "tensor", None)):
+        xs = jax.device_put(x, NamedSharding(mesh, spec))
+        out = jax.jit(f, out_shardings=NamedSharding(mesh, spec))(xs, jax.random.key(6))
+        np.testing.assert_array_equal(np.asarray(out), ref)
+
+
 def _tiny(bits, rate=0.3):
     return BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                       intermediate_size=32, max_position_embeddings=16, dtype="float32",

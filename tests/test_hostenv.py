@@ -13,9 +13,12 @@ import pytest
 from tacl_jax import hostenv
 
 GLIBC = ("glibc", "2.36")
+CPU = ("cpu", "no TPU or GPU device under /dev")   # these tests' run: the tuning applies (as on any host)
 
 
-def test_decision_table():
+def test_decision_table(monkeypatch):
+    # A CPU run, wherever the suite runs (a TPU VM included); the platform's own table: test_run_platform.
+    monkeypatch.setattr(hostenv, "run_platform", lambda environ: CPU)
     lib = lambda: "/cache/bigalloc-0.so"
     env = hostenv.tuned_env({"PATH": "/bin"}, GLIBC, bigalloc=lib)
     assert env["GLIBC_TUNABLES"] == hostenv.TUNABLES and env["PATH"] == "/bin" and env[hostenv._MARK] == "1"
@@ -45,6 +48,73 @@ def test_decision_table():
         hostenv.tuned_env({hostenv.SWITCH: "one_arena"}, GLIBC)
 
 
+TPU_VM = ["null", "accel0", "accel1", "accel2", "accel3", "vfio"]     # Cloud TPU v4
+VFIO_TPU = ["null", "vfio", "vfio/vfio", "vfio/0", "vfio/1"]           # Cloud TPU v5e / v6e
+NVIDIA = ["null", "nvidiactl", "nvidia-uvm", "nvidia0", "nvidia1"]
+PLAIN = ["null", "zero", "kvm", "vfio", "vfio/vfio", "nvidiactl"]     # no chip, no GPU
+BOTH = {"tpu", "gpu"}                                                  # jax plugins installed
+
+
+@pytest.mark.parametrize("environ, dev, plugins, expect", [
+    ({}, TPU_VM, BOTH, ("tpu", "/dev/accel0, /dev/accel1, /dev/accel2, /dev/accel3")),
+    ({}, VFIO_TPU, BOTH, ("tpu", "/dev/vfio/0, /dev/vfio/1")),
+    ({}, NVIDIA, BOTH, ("gpu", "/dev/nvidia0, /dev/nvidia1")),
+    ({}, ["kfd", "dri"], BOTH, ("gpu", "/dev/kfd")),
+    ({"CUDA_VISIBLE_DEVICES": "0"}, NVIDIA, BOTH, ("gpu", "/dev/nvidia0, /dev/nvidia1")),
+    ({"CUDA_VISIBLE_DEVICES": ""}, NVIDIA, BOTH,
+     ("cpu", "/dev/nvidia0, /dev/nvidia1 hidden by CUDA_VISIBLE_DEVICES=''")),
+    ({"CUDA_VISIBLE_DEVICES": "-1"}, NVIDIA, BOTH,
+     ("cpu", "/dev/nvidia0, /dev/nvidia1 hidden by CUDA_VISIBLE_DEVICES='-1'")),
+    ({}, NVIDIA, {"tpu"}, ("cpu", "/dev/nvidia0, /dev/nvidia1 without an installed jax plugin for them")),
+    ({"JAX_PLATFORMS": "cpu"}, TPU_VM, BOTH, ("cpu", "JAX_PLATFORMS=cpu")),
+    ({"JAX_PLATFORMS": "cpu,tpu"}, TPU_VM, BOTH, ("cpu", "JAX_PLATFORMS=cpu,tpu")),     # the first wins
+    ({"JAX_PLATFORMS": "tpu"}, PLAIN, set(), ("tpu", "JAX_PLATFORMS=tpu")),
+    ({"JAX_PLATFORMS": "cuda"}, PLAIN, set(), ("gpu", "JAX_PLATFORMS=cuda")),
+    ({"JAX_PLATFORMS": ""}, TPU_VM, BOTH, ("tpu", "/dev/accel0, /dev/accel1, /dev/accel2, /dev/accel3")),
+    ({"JAX_PLATFORM_NAME": "cpu"}, NVIDIA, BOTH, ("cpu", "JAX_PLATFORM_NAME=cpu")),
+    ({}, PLAIN, BOTH, CPU),
+])
+def test_run_platform(environ, dev, plugins, expect):
+    assert hostenv.run_platform(environ, dev, plugins) == expect
+
+
+def test_tuned_only_on_cpu_runs():
+    """'auto' re-executes only for a CPU run, and the log line says why not; 'glibc' (asked for by
+    name) tunes on any platform; the shim is not even built for an accelerator run."""
+    built = []
+    lib = lambda: built.append(1) or "/c/bigalloc-0.so"
+    for environ, dev, kind, why in [({}, TPU_VM, "TPU", "/dev/accel0, /dev/accel1, /dev/accel2, /dev/accel3"),
+                                    ({}, VFIO_TPU, "TPU", "/dev/vfio/0, /dev/vfio/1"),
+                                    ({}, NVIDIA, "GPU", "/dev/nvidia0, /dev/nvidia1"),
+                                    ({"JAX_PLATFORMS": "tpu"}, PLAIN, "TPU", "JAX_PLATFORMS=tpu"),
+                                    ({hostenv.SWITCH: "auto"}, TPU_VM, "TPU", "/dev/accel0")]:
+        run_on = hostenv.run_platform(environ, dev, BOTH)
+        assert hostenv.tuned_env(environ, GLIBC, bigalloc=lib, run_on=run_on) is None
+        line = hostenv.describe(environ, run_on)
+        assert line.startswith(f"system default (the run uses {kind} devices: {why}")
+        assert "for XLA:CPU only" in line
+    assert not built
+    for environ, dev in [({"JAX_PLATFORMS": "cpu"}, TPU_VM), ({"CUDA_VISIBLE_DEVICES": ""}, NVIDIA), ({}, PLAIN)]:
+        run_on = hostenv.run_platform(environ, dev, BOTH)
+        env = hostenv.tuned_env(environ, GLIBC, bigalloc=lib, run_on=run_on)
+        assert env["GLIBC_TUNABLES"] == hostenv.TUNABLES and env["LD_PRELOAD"] == "/c/bigalloc-0.so"
+        assert "tuned + bigalloc" in hostenv.describe(env, run_on)
+    env = hostenv.tuned_env({hostenv.SWITCH: "glibc"}, GLIBC, run_on=("tpu", "/dev/accel0"))
+    assert env["GLIBC_TUNABLES"] == hostenv.TUNABLES and "LD_PRELOAD" not in env
+    # The other reasons to leave the process alone come first, as before.
+    off = hostenv.describe({hostenv.SWITCH: "off"}, ("tpu", "/dev/accel0"))
+    assert off == "system default (TACL_MALLOC_TUNING=off)"
+
+
+def test_dev_entries(tmp_path):
+    for name in ("null", "accel0", "vfio/vfio", "vfio/0"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).touch()
+    assert sorted(hostenv.dev_entries(str(tmp_path))) == ["accel0", "null", "vfio", "vfio/0", "vfio/vfio"]
+    assert hostenv.dev_entries(str(tmp_path / "missing")) == []
+    assert hostenv.run_platform({}, hostenv.dev_entries(str(tmp_path)), BOTH)[0] == "tpu"
+
+
 def _report(extra_env):
     env = {k: v for k, v in os.environ.items() if k not in hostenv.ALLOCATOR_VARS}
     env.update(extra_env)
@@ -55,7 +125,8 @@ def _report(extra_env):
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc malloc")
 def test_reexec_reuses_freed_blocks():
-    tuned = _report({})
+    tuned = _report({"JAX_PLATFORMS": "cpu"})   # the suite's platform (conftest), here spelled out
+    assert tuned["platform"] == ["cpu", "JAX_PLATFORMS=cpu"]
     assert tuned["reexecuted"] and tuned["GLIBC_TUNABLES"] == hostenv.TUNABLES
     assert "bigalloc" in tuned["LD_PRELOAD"] and "+ bigalloc" in tuned["allocator"]
     glibc = _report({hostenv.SWITCH: "glibc"})
@@ -78,12 +149,13 @@ def test_reexec_reuses_freed_blocks():
 
 
 def test_describe_names_the_allocator():
-    assert "tuned + bigalloc" in hostenv.describe(hostenv.tuned_env({}, GLIBC, bigalloc=lambda: "/c/bigalloc-0.so"))
+    assert "tuned + bigalloc" in hostenv.describe(
+        hostenv.tuned_env({}, GLIBC, bigalloc=lambda: "/c/bigalloc-0.so", run_on=CPU))
     assert "without bigalloc (TACL_MALLOC_TUNING=glibc" in hostenv.describe(
         hostenv.tuned_env({hostenv.SWITCH: "glibc"}, GLIBC))
     assert "TACL_MALLOC_TUNING=off" in hostenv.describe({hostenv.SWITCH: "off"})
     assert "set by the caller" in hostenv.describe({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
-    assert hostenv.describe({}) == "system default"
+    assert hostenv.describe({}, CPU) == "system default"   # a CPU run not tuned: not glibc
 
 
 def test_bigalloc_library_is_built_once_and_atomically(tmp_path):

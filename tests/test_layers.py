@@ -33,10 +33,14 @@ def _grads(f, *args):
     return jax.value_and_grad(lambda *a: jnp.sum(f(*a) * ct), argnums=tuple(range(len(args))))(*args)
 
 
+@pytest.mark.parametrize("kernels", ["cpu", "xla"])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matmul_value_and_grads_equal_autodiff(with_bias):
+def test_matmul_value_and_grads_equal_autodiff(with_bias, kernels):
+    """Both kernel families (XLA:CPU's bias gradient as a matmul, plain XLA's reduction) are the
+    matmul's gradients."""
     x, w, b = _rand(0, (12, 7)), _rand(1, (7, 5)), _rand(2, (5,))
-    ours = (lambda x, w, b: matmul(x, w, jnp.float32, b)) if with_bias else (lambda x, w, b: matmul(x, w, jnp.float32))
+    ours = ((lambda x, w, b: matmul(x, w, jnp.float32, b, kernels)) if with_bias
+            else (lambda x, w, b: matmul(x, w, jnp.float32, kernels=kernels)))
     ref = (lambda x, w, b: x @ w + b) if with_bias else (lambda x, w, b: x @ w + 0 * b)
     (v1, g1), (v2, g2) = _grads(ours, x, w, b), _grads(ref, x, w, b)
     np.testing.assert_allclose(v1, v2, rtol=1e-5)
@@ -71,8 +75,8 @@ def test_bf16_weight_gradients_through_the_transposed_copy(monkeypatch, copy):
     h, table, ctd = _rand(3, (20, 24)), _rand(4, (56, 24)), _rand(5, (20, 56))
 
     def loss(x, w, h, table):
-        return (jnp.sum(matmul(x, w, jnp.bfloat16) * ct)
-                + jnp.sum(tied_decoder(h, table, jnp.zeros((56,)), jnp.bfloat16) * ctd))
+        return (jnp.sum(matmul(x, w, jnp.bfloat16, kernels="cpu") * ct)
+                + jnp.sum(tied_decoder(h, table, jnp.zeros((56,)), jnp.bfloat16, kernels="cpu") * ctd))
 
     grad = jax.jit(jax.grad(loss, argnums=(1, 3)))
     dw, dtable = grad(x, w, h, table)
@@ -149,13 +153,14 @@ def test_gelu_is_the_exact_erf_gelu():
     np.testing.assert_allclose(d, dref, rtol=1e-4, atol=1e-5)
 
 
-def test_attention_matches_a_naive_loop():
+@pytest.mark.parametrize("kernels", ["xla", "cpu"])
+def test_attention_matches_a_naive_loop(kernels):
     b, length, nh, hd = 2, 5, 3, 4
     q, k, v = _rand(0, (b, length, nh, hd)), _rand(1, (b, length, nh, hd)), _rand(2, (b, length, nh, hd))
     mask = np.ones((b, length), np.float32)
     mask[1, 3:] = 0
     bias = jnp.where(jnp.asarray(mask)[:, None, None, :] > 0, 0.0, jnp.finfo(jnp.float32).min)
-    ours = np.asarray(dot_product_attention(q, k, v, bias))
+    ours = np.asarray(dot_product_attention(q, k, v, bias, kernels=kernels))
     qn, kn, vn = (np.asarray(a, np.float64) for a in (q, k, v))
     ref = np.zeros_like(qn)
     for bi in range(b):
@@ -186,7 +191,7 @@ def test_bf16_attention_through_canonical_copies_equals_the_einsum_path(monkeypa
         monkeypatch.setattr(layers, "CPU_BF16_TRANSPOSED_COPY", copy)
 
         def loss(q, k, v):
-            out = dot_product_attention(q, k, v, bias, dropout=lambda p: p * mult)
+            out = dot_product_attention(q, k, v, bias, dropout=lambda p: p * mult, kernels="cpu")
             assert out.dtype == jnp.bfloat16 and out.shape == shape
             return jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32)), out
 
@@ -205,6 +210,31 @@ def test_bf16_attention_through_canonical_copies_equals_the_einsum_path(monkeypa
         assert {t for _, x, y in _dots(hlo1) for t in (x, y)} == {"bf16"}, _dots(hlo1)
         assert len(_dots(hlo1)) == 6   # two forward, four backward: none folded away
         assert {t for _, x, y in _dots(hlo0) for t in (x, y)} == {"f32"}   # what the copies avoid
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_xla_attention_value_and_grads_equal_the_f32_autodiff_path(dtype):
+    """``kernels='xla'`` (softmax out in the compute dtype, its own backward from that output,
+    dropout on it) against plain autodiff of the f32 'cpu' path, with dropout and a masked key:
+    equal in f32, within bf16 rounding in bf16."""
+    shape = b, length, nh, hd = 2, 16, 2, 8
+    q, k, v, ct = (_rand(i, shape) for i in range(4))
+    bias = jnp.zeros((b, 1, 1, length)).at[0, ..., -1].set(jnp.finfo(jnp.float32).min)
+    mult = jnp.where(_rand(5, (b, nh, length, length)) > 1.2, 0.0, 1.0 / 0.9)   # a dropout mask
+
+    def loss(q, k, v, kernels, dt):
+        out = dot_product_attention(q.astype(dt), k.astype(dt), v.astype(dt), bias,
+                                    dropout=lambda p: (p * mult).astype(p.dtype), kernels=kernels)
+        assert out.dtype == dt and out.shape == shape
+        return jnp.sum(out.astype(jnp.float32) * ct)
+
+    ref_val, ref = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v, "cpu", jnp.float32)
+    val, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), static_argnums=(3, 4))(q, k, v, "xla", dtype)
+    tol = 1e-5 if dtype == jnp.float32 else 3e-2
+    np.testing.assert_allclose(val, ref_val, rtol=tol, atol=tol * 10)
+    for a, r in zip(grads, ref):
+        assert np.linalg.norm(np.float32(a) - np.float32(r)) <= tol * np.linalg.norm(np.float32(r))
+    np.testing.assert_array_equal(np.float32(grads[1])[0, -1], 0.0)   # the masked key: no gradient
 
 
 @pytest.mark.parametrize("m,k,n", [(6, 4, 6), (20, 20, 4), (5, 7, 3)])

@@ -14,7 +14,8 @@ from tacl_jax.config import load_config_file
 from tacl_jax.data import synthetic
 from tacl_jax.train import loop
 from tacl_jax.train.optimizer import make_optimizer
-from tacl_jax.train.step import make_loss_and_grads, make_train_step, step_config_from
+from tacl_jax.train.step import (accumulate, make_loss_and_grads, make_train_step, shard_map_applies,
+                                  step_config_from)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -139,15 +140,21 @@ def _assert_trees_rel_close(a, b, tol):
         assert err <= tol * ref + 1e-5, f"{jax.tree_util.keystr(path)}: |diff| {err:.3g} vs |ref| {ref:.3g}"
 
 
-def test_k_micro_batches_equal_one_batch():
+@pytest.mark.parametrize("mesh_sizes", [dict(data=2, fsdp=1, tensor=1), dict(data=2, fsdp=2, tensor=2)])
+def test_k_micro_batches_equal_one_batch(mesh_sizes):
+    """Dropout off, k = 4 equals k = 1 on the same mesh: on a pure data mesh through
+    ``step.accumulate``'s ``shard_map`` (partial gradients, one ``psum`` per step), on 2×2×2
+    through the plain scan it falls back to."""
+    n = mesh_sizes["data"] * mesh_sizes["fsdp"] * mesh_sizes["tensor"]
     config = tiny_config(global_batch_size=8)
     config.model.hidden_dropout_prob = 0.0      # dropout masks differ per micro-batch by design
     config.model.attention_probs_dropout_prob = 0.0
-    one = _setup(config, dict(data=2, fsdp=1, tensor=1), jax.devices()[:2])
+    one = _setup(config, mesh_sizes, jax.devices()[:n])
     config4 = tiny_config(global_batch_size=8, grad_accum_steps=4)
     config4.model.hidden_dropout_prob = 0.0
     config4.model.attention_probs_dropout_prob = 0.0
-    acc = _setup(config4, dict(data=2, fsdp=1, tensor=1), jax.devices()[:2])
+    acc = _setup(config4, mesh_sizes, jax.devices()[:n])
+    assert shard_map_applies(acc["mesh"]) == (n == 2)
     batch = _batch(config, 3, one["model"], one["special"])
     l1, s1, g1 = _grads(one, batch)
     l4, s4, g4 = _grads(acc, batch)
@@ -159,6 +166,85 @@ def test_k_micro_batches_equal_one_batch():
     ids = batch["input_ids"]
     lengths = (ids != 0).sum(1)
     assert len(set(lengths[i::4].sum() for i in range(4))) > 1
+
+
+def _called(ins) -> list[str]:
+    """The computations an HLO instruction calls (loop bodies, fusions, reducers, branches)."""
+    import re
+
+    names = re.findall(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)", ins.rest)
+    m = re.search(r"branch_computations=\{([^}]*)\}", ins.rest)
+    return names + ([b.strip().lstrip("%") for b in m.group(1).split(",")] if m else [])
+
+
+def _gradient_reductions(text: str) -> tuple[int, int]:
+    """``(inside, outside)``: all-reduce / reduce-scatter instructions (or fusions around one) of
+    compiled HLO text inside some ``while`` loop's body or condition, and the others reachable
+    from the entry."""
+    from tacl_jax import hlo
+
+    comps, entry = hlo.parse(text)
+    counts = [0, 0]
+
+    def walk(name, in_loop, seen):
+        if (name, in_loop) in seen:
+            return
+        seen.add((name, in_loop))
+        for ins in comps.get(name, []):
+            if hlo._collective_kind(comps, ins) in ("all-reduce", "reduce-scatter"):
+                counts[in_loop] += 1
+            for callee in _called(ins):
+                walk(callee, in_loop or ins.opcode == "while", seen)
+
+    walk(entry, False, set())
+    return counts[1], counts[0]
+
+
+@pytest.mark.parametrize("mesh_sizes", [dict(data=2, fsdp=1, tensor=1), dict(data=1, fsdp=2, tensor=1)])
+def test_accumulation_reduces_gradients_once_outside_the_loop(mesh_sizes):
+    """The compiled k = 4 step on a 2-device data mesh reduces its gradients after the
+    micro-batch loop, not inside it (XLA would otherwise all-reduce every micro-batch's
+    gradient). The fsdp mesh is the control: there ``accumulate`` keeps the plain scan and
+    the per-micro-batch reductions sit in the loop body, so the check does see them."""
+    config = tiny_config(global_batch_size=8, grad_accum_steps=4)
+    s = _setup(config, mesh_sizes, jax.devices()[:2])
+    fn = make_loss_and_grads(s["model"], s["step_cfg"], loop.teacher_of(s["model"]))
+    batch_np = _batch(config, 0, s["model"], s["special"])
+    with jax.set_mesh(s["mesh"]), nn.logical_axis_rules(s["rules"]):
+        batch = {k: jax.device_put(v, parallel.batch_sharding(s["mesh"], v.ndim)) for k, v in batch_np.items()}
+        text = jax.jit(fn).lower(s["state"].params, s["teacher"], batch, jax.random.key(0)).compile().as_text()
+    inside, outside = _gradient_reductions(text)
+    if mesh_sizes["data"] == 2:
+        assert inside == 0 and outside >= 1, (inside, outside)
+    else:
+        assert inside >= 1, (inside, outside)
+
+
+def test_accumulate_folds_the_shard_index_into_the_dropout_keys():
+    """``accumulate``'s keys, checked with a loss whose gradient is the uniform draw of its key:
+    micro-batch i on data shard j draws from ``fold_in(split(rng, k)[i], j)``, so shards do
+    not repeat one dropout mask; the rows' loss terms add up as without the mesh."""
+    import jax.numpy as jnp
+
+    k, n = 4, 2
+    mesh = parallel.make_mesh(dict(data=n, fsdp=1, tensor=1), jax.devices()[:n])
+
+    def loss_fn(p, extra, mb, counts, rng):
+        loss = jnp.sum(p * jax.random.uniform(rng, p.shape)) + jnp.sum(mb["x"]) * p[0] / counts["n"]
+        return loss, dict(rows=jnp.asarray(mb["x"].shape[0], jnp.float32))
+
+    x = jnp.arange(16.0)
+    counts = dict(n=x.sum())
+    rng = jax.random.key(7)
+    p = jnp.zeros((3,))
+    with jax.set_mesh(mesh):
+        loss, sums, grads = jax.jit(lambda p, b: accumulate(loss_fn, p, None, b, counts, rng, k))(
+            p, dict(x=jax.device_put(x, parallel.batch_sharding(mesh, 1))))
+    keys = jax.random.split(rng, k)
+    expected = sum(jax.random.uniform(jax.random.fold_in(keys[i], j), (3,)) for i in range(k) for j in range(n))
+    expected = expected.at[0].add(1.0)     # the rows' term: Σ x / Σ x over all micro-batches and shards
+    np.testing.assert_allclose(np.asarray(grads), np.asarray(expected), rtol=1e-6)
+    assert float(sums["rows"]) == 16.0 and float(loss) == 0.0
 
 
 def test_tiny_model_overfits_a_fixed_batch():

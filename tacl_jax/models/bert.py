@@ -40,7 +40,7 @@ import numpy as np
 
 from tacl_jax.models.attention import dot_product_attention
 from tacl_jax.models.dropout import DROPOUT_BITS, Dropout
-from tacl_jax.models.layers import Dense, LayerNorm, gelu, tied_decoder
+from tacl_jax.models.layers import KERNELS, Dense, LayerNorm, gelu, tied_decoder
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 REMAT_POLICIES = ("none", "full", "save_dots")
@@ -85,6 +85,9 @@ class BertConfig:
     remat_policy: str = "none"
     # One ``nn.scan`` over the layers (params ``encoder/layers/...`` stacked on a leading axis).
     scan_layers: bool = False
+    # 'xla' (TPU/GPU: plain dots) | 'cpu' (XLA:CPU-only kernel forms, tacl_jax.models.layers);
+    # decided from the platform of the run's devices (tacl_jax.precision.kernels_for), not the host.
+    kernels: str = "xla"
 
     def __post_init__(self):
         if self.hidden_size % self.num_attention_heads:
@@ -94,6 +97,8 @@ class BertConfig:
             raise ValueError(f"remat_policy {self.remat_policy!r} is not one of {REMAT_POLICIES}")
         if not isinstance(self.scan_layers, bool):
             raise ValueError(f"scan_layers must be a bool, got {self.scan_layers!r}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels {self.kernels!r} is not one of {KERNELS}")
         if self.dropout_bits not in DROPOUT_BITS:
             raise ValueError(f"dropout_bits {self.dropout_bits!r} is not one of {DROPOUT_BITS}")
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
@@ -143,27 +148,28 @@ class Embeddings(nn.Module):
     def __call__(self, input_ids, token_type_ids, deterministic: bool):
         cfg = self.config
         dtype = to_dtype(cfg.dtype)
-        word = nn.Embed(cfg.padded_vocab_size, cfg.hidden_size, dtype=dtype,
+        word = nn.Embed(cfg.padded_vocab_size, cfg.hidden_size, dtype=jnp.float32,
                         param_dtype=to_dtype(cfg.param_dtype),
                         embedding_init=nn.with_logical_partitioning(
                             nn.initializers.normal(cfg.initializer_range), ("vocab", "embed")),
                         name="word_embeddings")
-        pos = nn.Embed(cfg.max_position_embeddings, cfg.hidden_size, dtype=dtype,
+        pos = nn.Embed(cfg.max_position_embeddings, cfg.hidden_size, dtype=jnp.float32,
                        param_dtype=to_dtype(cfg.param_dtype),
                        embedding_init=nn.with_logical_partitioning(
                            nn.initializers.normal(cfg.initializer_range), ("position", "embed")),
                        name="position_embeddings")
-        typ = nn.Embed(cfg.type_vocab_size, cfg.hidden_size, dtype=dtype,
+        typ = nn.Embed(cfg.type_vocab_size, cfg.hidden_size, dtype=jnp.float32,
                        param_dtype=to_dtype(cfg.param_dtype),
                        embedding_init=nn.with_logical_partitioning(
                            nn.initializers.normal(cfg.initializer_range), ("type", "embed")),
                        name="token_type_embeddings")
         length = input_ids.shape[1]
-        # Sum in f32, as HF does in fp32, then one rounding to the compute dtype.
+        # Looked up and summed in f32 (as HF does in fp32), then one rounding to the compute dtype:
+        # the tables' gradients are then scatter-added (and all-reduced) in f32, not bf16.
         x = (word(input_ids).astype(jnp.float32) + pos(jnp.arange(length)[None]).astype(jnp.float32)
              + typ(token_type_ids).astype(jnp.float32))
         x = LayerNorm(cfg.layer_norm_eps, dtype, to_dtype(cfg.param_dtype), name="LayerNorm")(x)
-        x = Dropout(cfg.hidden_dropout_prob, cfg.dropout_bits)(x, deterministic=deterministic)
+        x = Dropout(cfg.hidden_dropout_prob, cfg.dropout_bits, cfg.kernels)(x, deterministic=deterministic)
         return nn.with_logical_constraint(x, ("activation_batch", "activation_length", "activation_embed"))
 
     def attend(self, hidden: jax.Array, bias: jax.Array | None = None) -> jax.Array:
@@ -175,7 +181,7 @@ class Embeddings(nn.Module):
         if bias is None:
             bias = jnp.zeros((table.shape[0],), jnp.float32)
         h = hidden.reshape(-1, hidden.shape[-1])
-        logits = tied_decoder(h, table, bias, to_dtype(cfg.dtype))
+        logits = tied_decoder(h, table, bias, to_dtype(cfg.dtype), cfg.kernels)
         return logits.reshape(hidden.shape[:-1] + (table.shape[0],))
 
 
@@ -194,15 +200,16 @@ class SelfAttention(nn.Module):
 
         def proj(name, inputs):
             return Dense((h,), (nh, hd), ("embed", "heads", "kv"), dtype=dtype, param_dtype=pdtype,
-                         kernel_init=init, name=name)(inputs)
+                         kernel_init=init, name=name, kernels=cfg.kernels)(inputs)
 
         q = proj("query", x if queries is None else queries)
         k, v = proj("key", x), proj("value", x)
         q = nn.with_logical_constraint(q, ("activation_batch", "activation_length", "activation_heads", "activation_kv"))
-        drop = Dropout(cfg.attention_probs_dropout_prob, cfg.dropout_bits)
-        ctx = dot_product_attention(q, k, v, bias, dropout=lambda p: drop(p, deterministic=deterministic))
+        drop = Dropout(cfg.attention_probs_dropout_prob, cfg.dropout_bits, cfg.kernels)
+        ctx = dot_product_attention(q, k, v, bias, dropout=lambda p: drop(p, deterministic=deterministic),
+                                    kernels=cfg.kernels)
         out = Dense((nh, hd), (h,), ("heads", "kv", "embed"), dtype=dtype, param_dtype=pdtype,
-                    kernel_init=init, name="output")(ctx)
+                    kernel_init=init, name="output", kernels=cfg.kernels)(ctx)
         return out
 
 
@@ -236,17 +243,17 @@ class Layer(nn.Module):
         init = nn.initializers.normal(cfg.initializer_range)
         xq = None if positions is None else take_positions(x, positions)
         a = SelfAttention(cfg, name="attention")(x, bias, deterministic, queries=xq)
-        a = Dropout(cfg.hidden_dropout_prob, cfg.dropout_bits)(a, deterministic=deterministic)
+        a = Dropout(cfg.hidden_dropout_prob, cfg.dropout_bits, cfg.kernels)(a, deterministic=deterministic)
         if xq is not None:
             x = xq
         x = LayerNorm(cfg.layer_norm_eps, dtype, pdtype, name="attention_norm")(
             x.astype(jnp.float32) + a.astype(jnp.float32))
         hmid = Dense((cfg.hidden_size,), (cfg.intermediate_size,), ("embed", "mlp"), dtype=dtype,
-                     param_dtype=pdtype, kernel_init=init, name="intermediate")(x)
+                     param_dtype=pdtype, kernel_init=init, name="intermediate", kernels=cfg.kernels)(x)
         hmid = nn.with_logical_constraint(gelu(hmid), ("activation_batch", "activation_length", "activation_mlp"))
         o = Dense((cfg.intermediate_size,), (cfg.hidden_size,), ("mlp", "embed"), dtype=dtype,
-                  param_dtype=pdtype, kernel_init=init, name="output")(hmid)
-        o = Dropout(cfg.hidden_dropout_prob, cfg.dropout_bits)(o, deterministic=deterministic)
+                  param_dtype=pdtype, kernel_init=init, name="output", kernels=cfg.kernels)(hmid)
+        o = Dropout(cfg.hidden_dropout_prob, cfg.dropout_bits, cfg.kernels)(o, deterministic=deterministic)
         x = LayerNorm(cfg.layer_norm_eps, dtype, pdtype, name="output_norm")(
             x.astype(jnp.float32) + o.astype(jnp.float32))
         return nn.with_logical_constraint(x, ("activation_batch", "activation_length", "activation_embed"))
@@ -405,16 +412,16 @@ class BertModel(nn.Module):
         self.encoder = Encoder(cfg)
         if cfg.with_pooler or cfg.with_nsp_head:
             self.pooler = Dense((cfg.hidden_size,), (cfg.hidden_size,), ("embed", "embed_out"),
-                                dtype=dtype, param_dtype=pdtype, kernel_init=init)
+                                dtype=dtype, param_dtype=pdtype, kernel_init=init, kernels=cfg.kernels)
         if cfg.with_mlm_head:
             self.mlm_transform = Dense((cfg.hidden_size,), (cfg.hidden_size,), ("embed", "embed_out"),
-                                       dtype=dtype, param_dtype=pdtype, kernel_init=init)
+                                       dtype=dtype, param_dtype=pdtype, kernel_init=init, kernels=cfg.kernels)
             self.mlm_norm = LayerNorm(cfg.layer_norm_eps, dtype, pdtype)
             self.mlm_bias = self.param("mlm_bias", nn.with_logical_partitioning(
                 nn.initializers.zeros, ("vocab",)), (cfg.padded_vocab_size,), pdtype)
         if cfg.with_nsp_head:
             self.nsp = Dense((cfg.hidden_size,), (2,), ("embed", None), dtype=jnp.float32,
-                             param_dtype=pdtype, kernel_init=init)
+                             param_dtype=pdtype, kernel_init=init, kernels=cfg.kernels)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, *, deterministic: bool = True,
                  output_hidden_states: bool = False, mlm_positions=None, heads: bool = True,

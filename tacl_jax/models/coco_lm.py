@@ -48,9 +48,9 @@ class CocoHeads(nn.Module):
         init = nn.initializers.normal(cfg.initializer_range)
         # One logit per token, in f32 (it is also the CLM's weight).
         self.binary = Dense((cfg.hidden_size,), (1,), ("embed", None), dtype=jnp.float32, param_dtype=pdtype,
-                            kernel_init=init)
+                            kernel_init=init, kernels=cfg.kernels)
         self.scl_dense = Dense((cfg.hidden_size,), (self.scl_dim,), ("embed", "embed_out"), dtype=dtype,
-                               param_dtype=pdtype, kernel_init=init)
+                               param_dtype=pdtype, kernel_init=init, kernels=cfg.kernels)
         self.scl_norm = LayerNorm(cfg.layer_norm_eps, jnp.float32, pdtype, axis_name="embed_out")
 
     def __call__(self, hidden: jax.Array) -> tuple[jax.Array, jax.Array]:

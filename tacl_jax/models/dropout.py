@@ -20,6 +20,14 @@ shard as the element whenever the last axis is split in multiples of 4, and the 
 depend on the sharding: a sharded run draws the same mask as one device. (Two 32-bit counter
 words: up to 2**32 rows of 2**34 elements, however large the global batch.) Keys of other PRNG
 implementations (``rbg``) draw the two words of each block with ``jax.random.bits`` instead.
+
+That arrangement (``kernels='cpu'``) interleaves the quarters along the last axis: on a TPU, the
+lane axis, so XLA:TPU copies every mask through a shuffle (the attention probabilities' mask was
+the step's second-largest relayout). With ``kernels='xla'`` (and ``shape[-2] % 4 == 0``, else as
+above) the quarters lie along axis -2 in four contiguous slabs: block ``(r, n)`` of the
+``[..., M/4, N]`` counters (same row-major rule) drops rows ``r``, ``r + M/4``, ``r + M/2``,
+``r + 3M/4`` of column n. The counters still depend only on global indices, and every element's
+block lies in its own shard unless axis -2 is sharded (it is the sequence axis here, which is not).
 """
 
 from __future__ import annotations
@@ -76,31 +84,49 @@ def _quarters(key: jax.Array, shape: tuple[int, ...], fn) -> jax.Array:
     return jnp.stack(parts, axis=-1).reshape(shape[:-1] + (4 * w1.shape[-1],))[..., :last]
 
 
-def uniform16(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """Independent uniform integers in [0, 65536) of ``shape`` (uint32), as dropout draws them."""
-    return _quarters(key, tuple(shape), lambda u: u)
+def _slabs(key: jax.Array, shape: tuple[int, ...], fn) -> jax.Array:
+    """``kernels='xla'``: ``fn`` of 16-bit uniforms of ``shape`` (at least 2-d, ``shape[-2] % 4 ==
+    0``), the four quarters of block ``(r, n)`` of ``shape[:-2] + (M/4, N)`` at rows ``r + a·M/4``
+    (a = 0..3) of axis -2: four contiguous slabs, concatenated without moving an element."""
+    m = shape[-2] // 4
+    w1, w2 = _blocks(key, shape[:-2] + (m, shape[-1]))
+    return jnp.concatenate([fn(w1 & 0xFFFF), fn(w1 >> 16), fn(w2 & 0xFFFF), fn(w2 >> 16)], axis=-2)
 
 
-def dropout(x: jax.Array, rate: float, key: jax.Array) -> jax.Array:
+def _draw(key: jax.Array, shape: tuple[int, ...], fn, kernels: str) -> jax.Array:
+    if kernels == "xla" and len(shape) >= 2 and shape[-2] % 4 == 0:
+        return _slabs(key, shape, fn)
+    return _quarters(key, shape, fn)
+
+
+def uniform16(key: jax.Array, shape: tuple[int, ...], kernels: str = "cpu") -> jax.Array:
+    """Independent uniform integers in [0, 65536) of ``shape`` (uint32), as dropout draws them
+    with ``kernels`` (module doc)."""
+    return _draw(key, tuple(shape), lambda u: u, kernels)
+
+
+def dropout(x: jax.Array, rate: float, key: jax.Array, kernels: str = "cpu") -> jax.Array:
     """``x [...]`` with each element zeroed with probability ``t / 65536`` (see the module doc)
     and the rest scaled by ``65536 / (65536 - t)``; same shape and dtype (scaled in f32, one
-    rounding)."""
+    rounding). ``kernels``: which arrangement of the draw ('cpu' or 'xla', module doc)."""
     t = drop_threshold(rate)
     if t == 0:
         return x
     if t >= 65536:
         return jnp.zeros_like(x)
-    keep = _quarters(key, x.shape, lambda u: u >= np.uint32(t))
+    keep = _draw(key, x.shape, lambda u: u >= np.uint32(t), kernels)
     scale = np.float32(65536.0 / (65536 - t))
     return jnp.where(keep, (x.astype(jnp.float32) * scale).astype(x.dtype), jnp.zeros((), x.dtype))
 
 
 class Dropout(nn.Module):
     """``nn.Dropout``'s interface (``Dropout(rate)(x, deterministic=...)``, keys from the
-    ``'dropout'`` rng collection) with ``bits`` = 16 (this module's draw) or 32 (flax's)."""
+    ``'dropout'`` rng collection) with ``bits`` = 16 (this module's draw) or 32 (flax's);
+    ``kernels`` ('cpu' | 'xla', ``BertConfig.kernels``) picks the arrangement of the 16-bit draw."""
 
     rate: float
     bits: int = 16
+    kernels: str = "cpu"
 
     @nn.compact
     def __call__(self, x: jax.Array, deterministic: bool) -> jax.Array:
@@ -108,4 +134,4 @@ class Dropout(nn.Module):
             return nn.Dropout(self.rate)(x, deterministic=deterministic)
         if deterministic or self.rate == 0.0:
             return x
-        return dropout(x, self.rate, self.make_rng("dropout"))
+        return dropout(x, self.rate, self.make_rng("dropout"), self.kernels)

@@ -1,6 +1,11 @@
 """Building blocks for the BERT model: a dense layer with logical axis names, the tied MLM decoder,
 and the matmuls under both, with hand-written backward passes.
 
+``kernels`` (``BertConfig.kernels``, decided once from the platform of the run's devices by
+``tacl_jax.precision.kernels_for``): 'xla' (TPU, GPU) writes plain dots and reductions; 'cpu' adds
+the XLA:CPU-only forms below (bias gradients as matmuls, bf16 transposed copies). A TPU or GPU
+program never contains the latter, whatever host compiles it.
+
 Why custom backward passes (``jax.custom_vjp``), each measured on a 2-core CPU (XLA:CPU, YNNPACK):
 
 * **Bias gradients as matmuls.** Autodiff reduces the bias cotangent with ``reduce_sum`` over the
@@ -26,7 +31,7 @@ Why custom backward passes (``jax.custom_vjp``), each measured on a 2-core CPU (
   (the copy included; the canonical dot alone runs at ~380). (The first construction, the
   concatenation of the transposes of x's two column halves, is what XLA:CPU copies slowly: 3.5 vs
   0.5 ms for a bf16 ``[2048, 1024]``; 7.9 vs 4.7 ms for that copy and the dot of a ``small`` FFN's
-  ``dW``.) Only on the CPU backend (TPUs and GPUs contract either way natively), only
+  ``dW``.) Only with ``kernels='cpu'`` (TPUs and GPUs contract either way natively), only
   in bf16 (f32 contractions over rows already run at the f32 matmul rate) and, by default, only on
   CPUs with bf16 matmul units (elsewhere XLA's f32 fallback is the faster one);
   ``CPU_BF16_TRANSPOSED_COPY`` = True / False forces it on / off (``bench/step_throughput.py
@@ -53,12 +58,20 @@ def _dot(a, b, dims=(((1,), (0,)), ((), ()))):
     return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
+# The name scope of every XLA:CPU-only construction: it stays in the compiled HLO's metadata, so
+# ``tacl_jax.aot`` can say whether a program contains one (a TPU/GPU program must not).
+CPU_KERNEL_SCOPE = "tacl_cpu_kernel"
+
 # See the module doc; read at trace time (the bench's ablation flips it before building a step).
 # None = where the CPU has bf16 matmul units (tacl_jax.precision), True / False = always / never.
 CPU_BF16_TRANSPOSED_COPY: bool | None = None
 
 
+KERNELS = ("xla", "cpu")
+
+
 def _use_transposed_copy() -> bool:
+    """With ``kernels='cpu'``: whether bf16 row contractions take the transposed copy (module doc)."""
     if CPU_BF16_TRANSPOSED_COPY is not None:
         return CPU_BF16_TRANSPOSED_COPY
     from tacl_jax import precision
@@ -73,50 +86,57 @@ def _transposed_copy(a: jax.Array) -> jax.Array:
     halves."""
     *lead, m, k = a.shape
     n = len(lead)
-    if k % 2 == 0:
-        return a.reshape(*lead, m, 2, k // 2).transpose(*range(n), n + 1, n + 2, n).reshape(*lead, k, m)
-    half = k // 2
-    return jax.lax.concatenate([jnp.swapaxes(a[..., :half], -1, -2), jnp.swapaxes(a[..., half:], -1, -2)], n)
+    with jax.named_scope(CPU_KERNEL_SCOPE):
+        if k % 2 == 0:
+            return a.reshape(*lead, m, 2, k // 2).transpose(*range(n), n + 1, n + 2, n).reshape(*lead, k, m)
+        half = k // 2
+        return jax.lax.concatenate([jnp.swapaxes(a[..., :half], -1, -2), jnp.swapaxes(a[..., half:], -1, -2)], n)
 
 
-def _rows_dot(a: jax.Array, b: jax.Array) -> jax.Array:
+def _rows_dot(a: jax.Array, b: jax.Array, kernels: str) -> jax.Array:
     """``aᵀ · b``: ``a [M, K], b [M, N] -> [K, N]`` (f32), contracting the rows of both.
 
-    In bf16 on the CPU backend through a transposed copy of ``a`` (a canonical dot XLA:CPU runs in
+    In bf16 with ``kernels='cpu'`` through a transposed copy of ``a`` (a canonical dot XLA:CPU runs in
     bf16; see the module doc), elsewhere as one ``dot_general``. The copy is skipped where YNNPACK
     would not take the dot anyway (a vector or a tiny matrix), so XLA's f32 fallback stays valid.
     """
     m, k = a.shape
     n = b.shape[1]
     if (a.dtype == b.dtype == jnp.bfloat16 and k >= 2 and min(m, n) > 1 and max(m, k, n) >= 8
-            and jax.default_backend() == "cpu" and _use_transposed_copy()):
+            and kernels == "cpu" and _use_transposed_copy()):
         return _dot(_transposed_copy(a), b)
     return _dot(a, b, _TN)
 
 
-def _row_sum(g: jax.Array) -> jax.Array:
-    """``g [M, N] -> [N]`` (f32) as a matmul with a ones vector (see the module doc)."""
-    return _dot(jnp.ones((g.shape[0],), g.dtype), g, _TN)
+def _row_sum(g: jax.Array, kernels: str) -> jax.Array:
+    """``g [M, N] -> [N]`` (f32): with ``kernels='cpu'`` as a matmul with a ones vector (see the
+    module doc), else XLA's reduction."""
+    if kernels == "cpu":
+        with jax.named_scope(CPU_KERNEL_SCOPE):
+            return _dot(jnp.ones((g.shape[0],), g.dtype), g, _TN)
+    return jnp.sum(g.astype(jnp.float32), axis=0)
 
 
-def matmul(x: jax.Array, w: jax.Array, compute_dtype, bias: jax.Array | None = None) -> jax.Array:
+def matmul(x: jax.Array, w: jax.Array, compute_dtype, bias: jax.Array | None = None,
+           kernels: str = "xla") -> jax.Array:
     """``x [M, K] @ w [K, N] (+ bias [N]) -> [M, N]`` in ``compute_dtype`` with f32 accumulation.
 
     Returns f32 (the accumulator); the caller casts. Both operands are cast to ``compute_dtype``;
-    the bias is added in f32.
+    the bias is added in f32. ``kernels``: 'cpu' for XLA:CPU's forms (module doc), 'xla' (TPU,
+    GPU) for plain dots and reductions.
     """
     if bias is None:
-        return _matmul_for(jnp.dtype(compute_dtype).name)(x, w)
-    return _matmul_bias_for(jnp.dtype(compute_dtype).name)(x, w, bias)
+        return _matmul_for(jnp.dtype(compute_dtype).name, kernels)(x, w)
+    return _matmul_bias_for(jnp.dtype(compute_dtype).name, kernels)(x, w, bias)
 
 
-def _mm_bwd(dt, xc, wc, g):
+def _mm_bwd(dt, xc, wc, g, kernels):
     gc = g.astype(dt)
-    return _dot(gc, wc, _NT), _rows_dot(xc, gc)
+    return _dot(gc, wc, _NT), _rows_dot(xc, gc, kernels)
 
 
 @functools.lru_cache(maxsize=None)
-def _matmul_for(dtype_name: str):
+def _matmul_for(dtype_name: str, kernels: str):
     dt = jnp.dtype(dtype_name)
 
     @jax.custom_vjp
@@ -130,7 +150,7 @@ def _matmul_for(dtype_name: str):
 
     def bwd(res, g):
         xc, wc, x_like, w_like = res
-        dx, dw = _mm_bwd(dt, xc, wc, g)
+        dx, dw = _mm_bwd(dt, xc, wc, g, kernels)
         return dx.astype(x_like.dtype), dw.astype(w_like.dtype)
 
     mm.defvjp(fwd, bwd)
@@ -138,7 +158,7 @@ def _matmul_for(dtype_name: str):
 
 
 @functools.lru_cache(maxsize=None)
-def _matmul_bias_for(dtype_name: str):
+def _matmul_bias_for(dtype_name: str, kernels: str):
     dt = jnp.dtype(dtype_name)
 
     @jax.custom_vjp
@@ -152,21 +172,21 @@ def _matmul_bias_for(dtype_name: str):
 
     def bwd(res, g):
         xc, wc, x_like, w_like, b_like = res
-        dx, dw = _mm_bwd(dt, xc, wc, g)
-        return dx.astype(x_like.dtype), dw.astype(w_like.dtype), _row_sum(g).astype(b_like.dtype)
+        dx, dw = _mm_bwd(dt, xc, wc, g, kernels)
+        return dx.astype(x_like.dtype), dw.astype(w_like.dtype), _row_sum(g, kernels).astype(b_like.dtype)
 
     mm.defvjp(fwd, bwd)
     return mm
 
 
-def tied_decoder(h: jax.Array, table: jax.Array, bias: jax.Array, compute_dtype) -> jax.Array:
+def tied_decoder(h: jax.Array, table: jax.Array, bias: jax.Array, compute_dtype, kernels: str = "xla") -> jax.Array:
     """The MLM decoder tied to the word embeddings: ``h [M, H] · table [V, H]ᵀ + bias [V] -> [M, V]``
     (f32), without materialising ``tableᵀ``; gradients for all three (``d table = gᵀ · h``)."""
-    return _decoder_for(jnp.dtype(compute_dtype).name)(h, table, bias)
+    return _decoder_for(jnp.dtype(compute_dtype).name, kernels)(h, table, bias)
 
 
 @functools.lru_cache(maxsize=None)
-def _decoder_for(dtype_name: str):
+def _decoder_for(dtype_name: str, kernels: str):
     dt = jnp.dtype(dtype_name)
 
     @jax.custom_vjp
@@ -182,8 +202,8 @@ def _decoder_for(dtype_name: str):
         hc, tc, h_like, t_like, b_like = res
         gc = g.astype(dt)
         dh = _dot(gc, tc)                  # [M, V] x [V, H]
-        dt_ = _rows_dot(gc, hc)            # [M, V]ᵀ · [M, H] -> [V, H]
-        return dh.astype(h_like.dtype), dt_.astype(t_like.dtype), _row_sum(g).astype(b_like.dtype)
+        dt_ = _rows_dot(gc, hc, kernels)   # [M, V]ᵀ · [M, H] -> [V, H]
+        return dh.astype(h_like.dtype), dt_.astype(t_like.dtype), _row_sum(g, kernels).astype(b_like.dtype)
 
     dec.defvjp(fwd, bwd)
     return dec
@@ -204,6 +224,7 @@ class Dense(nn.Module):
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
     kernel_init: Initializer = nn.initializers.normal(0.02)
+    kernels: str = "xla"     # 'cpu' | 'xla': see ``matmul``
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -218,7 +239,7 @@ class Dense(nn.Module):
             bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros,
                                                                    tuple(self.kernel_axes[len(in_f):])),
                               out_f, self.param_dtype).reshape(n)
-        y = matmul(x.reshape(-1, k), kernel.reshape(k, n), self.dtype, bias)
+        y = matmul(x.reshape(-1, k), kernel.reshape(k, n), self.dtype, bias, self.kernels)
         return y.astype(self.dtype).reshape(batch_shape + out_f)
 
 

@@ -10,9 +10,11 @@ the step folds in ``state.step``.
 
 Randomness that decides *what* is computed (the mask, the sampling uniforms, the crop starts) is
 drawn for the whole global batch before the micro-batch split, so k micro-batches see exactly
-what one batch sees; only dropout is drawn per micro-batch. The generator's gradient never flows
-through the sampling: the samples are integers drawn from a pass under ``stop_gradient``; the two
-networks interact only through the shared embeddings.
+what one batch sees; only dropout is drawn per micro-batch (and, where ``step.accumulate`` runs
+the loop under ``shard_map``, per data shard: exact agreement with one device then needs
+dropout off). The generator's gradient never flows through the sampling: the samples are
+integers drawn from a pass under ``stop_gradient``; the two networks interact only through the
+shared embeddings.
 
 SCL negatives come from the (micro-)batch being computed: with ``grad_accum_steps`` = k, from the
 global micro-batch of B/k sequences ('global') or from each data shard's part of it ('local').
@@ -32,9 +34,10 @@ from tacl_jax import flops as flops_lib
 from tacl_jax.models.coco_lm import SAMPLE_MODES, CocoLM
 from tacl_jax.objectives import mask_tokens, num_predictions
 from tacl_jax.objectives.coco_lm import (TERMS, coco_ratios, coco_sums, coco_total, corrupt, crop_views,
-                                         sample_tokens)
+                                         nt_xent_per_view, sample_tokens)
+from tacl_jax.train import setup
 from tacl_jax.train.state import TrainState
-from tacl_jax.train.step import _split_micro
+from tacl_jax.train.step import ACCUM_AXIS, accumulate
 
 log = logging.getLogger(__name__)
 
@@ -93,35 +96,13 @@ def coco_step_config_from(config, special: dict[str, int], mesh=None) -> CocoSte
         grad_accum_steps=config.grad_accum_steps)
 
 
-def build_coco_model(config) -> tuple[CocoLM, dict | None]:
+def build_coco_model(config, platform: str | None = None) -> tuple[CocoLM, dict | None]:
     """The COCO-LM networks from the run's config, and the main model's pretrained params (numpy)
     when ``init.hf_path`` is set (the generator and heads then start from the seed)."""
-    from tacl_jax.train import loop
-
-    bert, hf_params = loop.build_model(config)
-    model = CocoLM.build(bert.config.replace(with_pooler=False), config.coco_lm.generator_layers,
-                         config.coco_lm.scl_dim)
-    if hf_params is not None:
-        hf_params = {k: v for k, v in hf_params.items() if k not in ("pooler", "nsp")}
-    return model, hf_params
+    return setup.build_model(config, platform)
 
 
-def create_coco_state(model: CocoLM, tx, mesh, rules, seed: int, max_len: int, hf_main_params=None):
-    """``(TrainState, its shardings)`` created sharded (``loop.create_state``); with
-    ``hf_main_params`` the main model starts from them, the generator and heads from ``seed``."""
-    from tacl_jax import parallel
-    from tacl_jax.train import loop
-
-    state, shardings = loop.create_state(model, tx, mesh, rules, seed, max_len)
-    if hf_main_params is None:
-        return state, shardings
-    expected = jax.tree.map(lambda a: tuple(a.shape), state.params["main"])
-    got = jax.tree.map(lambda a: tuple(a.shape), hf_main_params)
-    if jax.tree.structure(expected) != jax.tree.structure(got) or expected != got:
-        raise ValueError("the Hugging Face checkpoint does not match the main model built from the config")
-    params = {**state.params, "main": parallel.place(hf_main_params, shardings.params["main"])}
-    opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
-    return state.replace(params=params, opt_state=opt_state), shardings
+create_coco_state = setup.create_coco_state
 
 
 def init_coco_state(config, mesh, rules, seed: int | None = None, tx=None):
@@ -159,10 +140,14 @@ def prepare_batch(model: CocoLM, sc: CocoStepConfig, batch: dict, step_rng: jax.
                 crop_ids=crop["input_ids"], crop_mask=crop["attention_mask"], crop_types=crop["token_type_ids"])
 
 
-def make_coco_loss_fn(model: CocoLM, sc: CocoStepConfig, deterministic: bool = False) -> Callable:
+def make_coco_loss_fn(model: CocoLM, sc: CocoStepConfig, deterministic: bool = False,
+                      data_axis: str | None = None) -> Callable:
     """``loss_fn(params, mb, counts, dropout_rng) -> (loss, sums)`` for one micro-batch ``mb``
     (from ``prepare_batch``); ``counts`` = the global batch's ``n_pred``, ``n_tok``, ``n_view``.
-    ``deterministic``: dropout off in the training passes (evaluation)."""
+    ``deterministic``: dropout off in the training passes (evaluation). ``data_axis``: the loss
+    runs inside a ``shard_map`` manual over this mesh axis, on one shard's rows of the
+    micro-batch (``step.accumulate``); the SCL term then sees the negatives it would see on the
+    whole micro-batch (``_scl_sums_of_shard``) and every other term is a per-row sum."""
     weights = dict(sc.weights)
     det = deterministic
     use_scl = weights.get("scl", 0.0) != 0.0
@@ -199,13 +184,39 @@ def make_coco_loss_fn(model: CocoLM, sc: CocoStepConfig, deterministic: bool = F
         scl_q = scl_k = None
         if use_scl:
             scl_q, scl_k = model.scl_embedding(params, h_crop), model.scl_embedding(params, h_corr)
+        sharded_scl = use_scl and data_axis is not None
         sums = coco_sums(gen_logits=gen_logits, targets=mb["targets"], weights=mb["weights"], replaced=replaced,
                          attention_mask=mb["attention_mask"], binary_logits=binary_logits, clm_logits=clm_logits,
-                         positions=mb["positions"], scl_q=scl_q, scl_k=scl_k, temperature=sc.temperature,
-                         scl_groups=sc.scl_groups)
+                         positions=mb["positions"], scl_q=None if sharded_scl else scl_q,
+                         scl_k=None if sharded_scl else scl_k, temperature=sc.temperature, scl_groups=sc.scl_groups)
+        if sharded_scl:
+            sums.update(_scl_sums_of_shard(scl_q, scl_k, sc.temperature, sc.scl_groups, data_axis))
         return coco_total(sums, counts, weights), sums
 
     return loss_fn
+
+
+def _scl_sums_of_shard(q: jax.Array, k: jax.Array, temperature: float, groups: int, axis: str) -> dict:
+    """SCL sums (``scl_nll``, ``scl_correct``, ``n_view``) of this shard's views, inside a
+    ``shard_map`` manual over ``axis`` whose shards hold contiguous row blocks ``q, k [b, D]``
+    of the micro-batch. Negatives as on the whole micro-batch: with ``groups`` = 1 (global) the
+    views of every shard are all-gathered (``[B/k, D]`` f32, 0.2 MB per view for coco_lm_base;
+    autodiff returns each shard its rows' cotangents by a reduce-scatter: the only collectives
+    in the accumulation loop) and this shard's anchors kept; with local
+    groups (a multiple of the axis size, one per data shard) each group already lies in one
+    shard's rows. Summed over the shards: ``coco_sums``'s SCL terms on the whole micro-batch."""
+    n = jax.lax.axis_size(axis)
+    if groups % n == 0:
+        nll, correct = nt_xent_per_view(q, k, temperature, groups // n)
+    elif groups == 1:
+        b = q.shape[0]
+        gather = lambda x: jax.lax.all_gather(x, axis, tiled=True)
+        nll, correct = nt_xent_per_view(gather(q), gather(k), temperature, 1)
+        mine = lambda x: jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis) * b, b, axis=1)
+        nll, correct = mine(nll), mine(correct)
+    else:
+        raise ValueError(f"{groups} SCL negative groups do not split over the {n} shards of mesh axis {axis!r}")
+    return dict(scl_nll=nll.sum(), scl_correct=correct.sum(), n_view=jnp.asarray(nll.size, jnp.float32))
 
 
 def _counts(mb: dict) -> dict[str, jax.Array]:
@@ -216,8 +227,11 @@ def _counts(mb: dict) -> dict[str, jax.Array]:
 
 def make_coco_loss_and_grads(model: CocoLM, sc: CocoStepConfig) -> Callable:
     """``loss_and_grads(params, batch, step_rng) -> (loss, sums, grads)`` for one global batch,
-    accumulated over ``grad_accum_steps`` micro-batches with global-count denominators."""
+    accumulated over ``grad_accum_steps`` micro-batches with global-count denominators
+    (``step.accumulate``: the gradients are reduced across data-parallel devices once per
+    step; there each device's loss gathers the SCL views of the whole micro-batch)."""
     loss_fn = make_coco_loss_fn(model, sc)
+    shard_loss_fn = make_coco_loss_fn(model, sc, data_axis=ACCUM_AXIS)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def loss_and_grads(params, batch: dict, step_rng: jax.Array):
@@ -228,20 +242,8 @@ def make_coco_loss_and_grads(model: CocoLM, sc: CocoStepConfig) -> Callable:
         if k == 1:
             (loss, sums), grads = grad_fn(params, mb, counts, dropout_rng)
             return loss, sums, grads
-        micro = jax.tree.map(lambda x: _split_micro(x, k), mb)
-        rngs = jax.random.split(dropout_rng, k)
-
-        def body(carry, xs):
-            g_acc, s_acc, l_acc = carry
-            m, r = xs
-            (l, s), g = grad_fn(params, m, counts, r)
-            return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, s_acc, s), l_acc + l), None
-
-        zeros_g = jax.tree.map(jnp.zeros_like, params)
-        _, sums_shape = jax.eval_shape(loss_fn, params, jax.tree.map(lambda x: x[0], micro), counts, rngs[0])
-        zeros_s = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)
-        (grads, sums, loss), _ = jax.lax.scan(body, (zeros_g, zeros_s, jnp.zeros((), jnp.float32)), (micro, rngs))
-        return loss, sums, grads
+        return accumulate(lambda p, _, m, c, r: loss_fn(p, m, c, r), params, None, mb, counts, dropout_rng, k,
+                          shard_loss_fn=lambda p, _, m, c, r: shard_loss_fn(p, m, c, r))
 
     return loss_and_grads
 

@@ -15,181 +15,22 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from tacl_jax import checkpoint, hf, parallel, precision, tokens
+from tacl_jax import checkpoint, hf, parallel
 from tacl_jax import config as config_lib
 from tacl_jax import data as data_lib
-from tacl_jax.flops import peak_flops_per_device, step_flops
-from tacl_jax.models import BertConfig, BertModel, to_dtype
-from tacl_jax.objectives import mask_tokens, objective_sums, ratios
-from tacl_jax.objectives.coco_lm import coco_ratios
-from tacl_jax.train import coco_step
-from tacl_jax.train.optimizer import make_optimizer
-from tacl_jax.train.state import TrainState
-from tacl_jax.train.step import StepConfig, make_train_step, step_config_from, student_forward
+from tacl_jax.objectives import ratios
+from tacl_jax.train.setup import (build_model, build_program, check_batch_arithmetic, check_model,  # noqa: F401
+                                  create_coco_state, create_state, create_teacher, hf_params_for, initial_params,
+                                  model_from_config, run_devices, state_shardings, strip_heads, teacher_of)
+from tacl_jax.train.step import make_eval_step  # noqa: F401  (part of the loop's API before the split)
 
 log = logging.getLogger(__name__)
 
 
 class NonFiniteLossError(RuntimeError):
     pass
-
-
-# ----------------------------------------------------------------------------- model
-
-def _bert_config(config, architecture: BertConfig | None) -> BertConfig:
-    numerics = dict(dtype=precision.resolve_compute_dtype(config.model.dtype), param_dtype=config.model.param_dtype,
-                    remat_policy=config.model.remat_policy, vocab_multiple=config.model.vocab_multiple,
-                    # .get: configs saved in checkpoints before the key existed (tacl_jax.convert)
-                    scan_layers=bool(config.model.get("scan_layers", False)),
-                    hidden_dropout_prob=config.model.hidden_dropout_prob,
-                    attention_probs_dropout_prob=config.model.attention_probs_dropout_prob,
-                    dropout_bits=int(config.model.get("dropout_bits", 16)),
-                    with_nsp_head=bool(config.nsp), with_pooler=True, with_mlm_head=True)
-    if architecture is not None:
-        return architecture.replace(**numerics)
-    return BertConfig(**dict(config.init.scratch), **numerics)
-
-
-def model_from_config(config) -> BertModel:
-    """The student's module alone: the architecture of ``init.hf_path`` (its config.json) or
-    ``init.scratch``, the numerics of ``config.model``. Reads no weights."""
-    arch = hf.read_config(config.init.hf_path) if config.init.hf_path else None
-    return BertModel(_bert_config(config, arch))
-
-
-def build_model(config) -> tuple[BertModel, dict | None]:
-    """The student's module and, when ``init.hf_path`` is set, its pretrained params (numpy)."""
-    if config.init.hf_path:
-        cfg = _bert_config(config, hf.read_config(config.init.hf_path))
-        overrides = {f: getattr(cfg, f) for f in ("dtype", "param_dtype", "remat_policy", "scan_layers", "vocab_multiple",
-                                                  "hidden_dropout_prob", "attention_probs_dropout_prob",
-                                                  "dropout_bits", "with_nsp_head", "with_pooler", "with_mlm_head")}
-        return hf.load(config.init.hf_path, seed=config.seed, **overrides)
-    return model_from_config(config), None
-
-
-def teacher_of(model: BertModel) -> BertModel:
-    """The teacher is the same module without heads: TaCL only reads its last hidden state."""
-    return BertModel(model.config.replace(with_mlm_head=False, with_pooler=False, with_nsp_head=False))
-
-
-def strip_heads(params: dict) -> dict:
-    return {k: v for k, v in params.items() if k in ("embeddings", "encoder")}
-
-
-# ----------------------------------------------------------------------------- checks
-
-def check_batch_arithmetic(config, mesh) -> None:
-    """Global batch vs processes vs data-parallel devices vs accumulation, with the fix."""
-    b, k = config.global_batch_size, config.grad_accum_steps
-    dp, procs = parallel.data_parallel_size(mesh), jax.process_count()
-    if b % procs:
-        raise ValueError(f"global_batch_size {b} is not divisible by the {procs} processes; "
-                         f"use a multiple of {procs}")
-    if b % dp:
-        raise ValueError(f"global_batch_size {b} is not divisible by the data-parallel size {dp} "
-                         f"(mesh data×fsdp); use a multiple of {dp} or change config.mesh")
-    if (b // k) % dp:
-        raise ValueError(f"a micro-batch of {b // k} (global_batch_size {b} / grad_accum_steps {k}) is not "
-                         f"divisible by the data-parallel size {dp}; lower grad_accum_steps")
-
-
-def check_model(config, model: BertModel) -> None:
-    if config.max_len > model.config.max_position_embeddings:
-        raise ValueError(f"max_len {config.max_len} exceeds the model's max_position_embeddings "
-                         f"{model.config.max_position_embeddings}; lower config.max_len")
-
-
-# ----------------------------------------------------------------------------- state
-
-def _init_params_fn(model: BertModel, max_len: int):
-    def init_params(rng):
-        return model.init(rng, jnp.zeros((1, max_len), jnp.int32))["params"]
-    return init_params
-
-
-def state_shardings(model: BertModel, tx, mesh, rules, max_len: int):
-    """``(abstract TrainState with shardings, TrainState of shardings)`` without allocating."""
-    init_params = _init_params_fn(model, max_len)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        abstract_boxed = jax.eval_shape(init_params, jax.random.key(0))
-        param_sh = parallel.logical_shardings(abstract_boxed, mesh, rules)
-        # Plain unboxing: ``nn.meta.unbox`` would place sharding constraints on abstract values.
-        abstract_params = jax.tree.map(lambda x: x.unbox(apply_constraint=False), abstract_boxed,
-                                       is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
-        abstract_opt = jax.eval_shape(tx.init, abstract_params)
-        opt_sh = _optimizer_shardings(tx, abstract_opt, param_sh, parallel.replicated(mesh))
-    repl = parallel.replicated(mesh)
-    shardings = TrainState(step=repl, params=param_sh, opt_state=opt_sh)
-    abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params, opt_state=abstract_opt)
-    return checkpoint.abstract_like(abstract, shardings), shardings
-
-
-def create_state(model: BertModel, tx, mesh, rules, seed: int, max_len: int, init_params=None):
-    """The student's ``TrainState`` created sharded, and its shardings.
-
-    From scratch the params are initialised on device already sharded (no host holds them all);
-    from a checkpoint every process places its shards of the host copy.
-    """
-    abstract, shardings = state_shardings(model, tx, mesh, rules, max_len)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        if init_params is None:
-            init = _init_params_fn(model, max_len)
-            params = jax.jit(lambda r: nn.meta.unbox(init(r)), out_shardings=shardings.params)(jax.random.key(seed))
-        else:
-            expected = jax.tree.map(lambda a: tuple(a.shape), abstract.params)
-            got = jax.tree.map(lambda a: tuple(a.shape), init_params)
-            if jax.tree.structure(expected) != jax.tree.structure(got) or expected != got:
-                raise ValueError("the initial parameter tree does not match the model built from the config "
-                                 "(different heads or shapes)")
-            params = parallel.place(init_params, shardings.params)
-        opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
-    state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), shardings.step), params=params,
-                       opt_state=opt_state)
-    return state, shardings
-
-
-def _optimizer_shardings(tx, abstract_opt, param_sh, repl):
-    """Optimizer-state leaves that mirror a parameter get its sharding; counters are replicated."""
-    import optax
-
-    return optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_sh,
-                                 transform_non_params=lambda _: repl,
-                                 is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
-
-
-def create_teacher(student_params, param_sh, dtype: str, compute_dtype=None):
-    """A frozen copy of the student's encoder in fresh buffers (the student's are donated every step).
-
-    ``dtype``: 'float32' / 'bfloat16' store every leaf so; 'compute' stores the matmul kernels in
-    ``compute_dtype`` (the model's resolved compute dtype) and the rest (embeddings, LayerNorm,
-    biases) as they are. The Dense layers cast their kernel to the compute dtype before every
-    matmul, so 'compute' gives bit-identical teacher outputs while the per-step cast of the
-    teacher's ~all weights disappears (and, in bf16, half their memory)."""
-    enc, enc_sh = strip_heads(student_params), strip_heads(param_sh)
-    if dtype == "compute" and compute_dtype is None:
-        raise ValueError("create_teacher(dtype='compute') needs the model's compute_dtype")
-    dt = to_dtype(compute_dtype if dtype == "compute" else dtype)
-
-    def cast(path, x):
-        if dtype == "compute" and getattr(path[-1], "key", None) != "kernel":
-            return x + 0
-        return x.astype(dt) if x.dtype != dt else x + 0
-    copy = jax.jit(lambda p: jax.tree_util.tree_map_with_path(cast, p), out_shardings=enc_sh)
-    return copy(enc), enc_sh
-
-
-def initial_params(model: BertModel, mesh, rules, seed: int, max_len: int, shardings, hf_params=None):
-    """The run's starting params (sharded): the HF checkpoint's, or the seed's initialisation —
-    a pure function of the seed, so a resumed run rebuilds the same teacher."""
-    if hf_params is not None:
-        return parallel.place(hf_params, shardings)
-    init = _init_params_fn(model, max_len)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        return jax.jit(lambda r: nn.meta.unbox(init(r)), out_shardings=shardings)(jax.random.key(seed))
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -353,30 +194,6 @@ class _Profiler:
 
 # ----------------------------------------------------------------------------- evaluation
 
-def make_eval_step(model: BertModel, step_cfg: StepConfig, teacher_model: BertModel):
-    """Deterministic forward on held-out batches with a fixed mask key: the loss sums, so numbers
-    compare across runs and steps."""
-    def eval_step(params, teacher_params, batch, rng):
-        masked = mask_tokens(rng, batch["input_ids"], batch["attention_mask"],
-                             max_predictions=step_cfg.max_predictions, mask_id=step_cfg.mask_id,
-                             vocab_size=model.config.vocab_size, special_ids=step_cfg.special_ids,
-                             mask_prob=step_cfg.mask_prob, replace_prob=step_cfg.replace_prob,
-                             random_prob=step_cfg.random_prob,
-                             word_starts=batch.get("word_starts") if step_cfg.whole_word else None)
-        out = student_forward(model, step_cfg, params, masked.input_ids, batch["attention_mask"],
-                              batch["token_type_ids"], masked.positions, deterministic=True)
-        teacher_hidden = None
-        if teacher_params is not None:
-            teacher_hidden = teacher_model.apply({"params": teacher_params}, batch["input_ids"],
-                                                 batch["attention_mask"], batch["token_type_ids"],
-                                                 deterministic=True, heads=False).last_hidden_state
-        return objective_sums(mlm_logits=out.mlm_logits, masked=masked, student_hidden=out.last_hidden_state,
-                              teacher_hidden=teacher_hidden,
-                              key_mask=batch["attention_mask"] if step_cfg.mask_pad_keys else None,
-                              temperature=step_cfg.temperature, student_at_slots=step_cfg.gather_last_layer)
-    return eval_step
-
-
 def evaluate(p_eval, params, teacher, batches, mesh, seed: int, to_ratios=ratios) -> dict[str, float]:
     total: dict[str, float] = {}
     for i, local in enumerate(batches):
@@ -402,25 +219,17 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     parallel.maybe_initialize_distributed(config.distributed)
     config_lib.validate(config)
     workdir = os.path.abspath(workdir) if "://" not in workdir else workdir
-    rules = parallel.rules_from_config(config.logical_axis_rules)
 
-    # --- mesh
-    devices = jax.devices()[:config.mesh_devices] if config.mesh_devices > 0 else jax.devices()
-    mesh = parallel.make_mesh(dict(config.mesh), devices)
-    check_batch_arithmetic(config, mesh)
-    log.info("mesh %s: %d process(es) × %d local device(s); global batch %d = %d per process, %d micro-batch(es)",
-             dict(mesh.shape), jax.process_count(), jax.local_device_count(), config.global_batch_size,
-             config.global_batch_size // jax.process_count(), config.grad_accum_steps)
-
-    # --- model (COCO-LM: the generator, the main BERT and its heads in one parameter tree)
-    coco = config.objective == "coco_lm"
-    model, hf_params = coco_step.build_coco_model(config) if coco else build_model(config)
-    check_model(config, model)
+    # --- the program: mesh, model, step config, optimizer, shardings and the jitted step, decided
+    # from this run's devices (tacl_jax.train.setup; python -m tacl_jax.aot compiles the same)
+    prog = build_program(config, run_devices(config))
+    mesh, rules, model, step_cfg, tx = prog.mesh, prog.rules, prog.model, prog.step_cfg, prog.tx
+    coco, special, abstract_state, state_sh = prog.coco, prog.special_ids, prog.abstract_state, prog.state_shardings
+    log.info("mesh %s: %d process(es) × %d local device(s) (%s); global batch %d = %d per process, %d micro-batch(es)",
+             dict(mesh.shape), jax.process_count(), jax.local_device_count(), prog.target.device_kind,
+             config.global_batch_size, config.global_batch_size // jax.process_count(), config.grad_accum_steps)
     tok_dir = config.init.tokenizer_path or config.init.hf_path
-    special = tokens.run_special_ids(tok_dir, model.config.vocab_size)
-    step_cfg = coco_step.coco_step_config_from(config, special, mesh) if coco else step_config_from(config, special)
-    tx, schedule = make_optimizer(config.optim, config.num_train_steps)
-    abstract_state, state_sh = state_shardings(model, tx, mesh, rules, config.max_len)
+    hf_params = hf_params_for(config, model)
 
     # --- input (before the checkpoint folder exists: a refused data config leaves nothing behind)
     data_kwargs = dict(global_batch_size=config.global_batch_size, max_len=config.max_len, seed=config.seed,
@@ -450,7 +259,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         log.info("start-up: no checkpoint in %s; student and teacher from the Hugging Face checkpoint %s",
                  ckpt.directory, config.init.hf_path)
         if coco:
-            state, _ = coco_step.create_coco_state(model, tx, mesh, rules, config.seed, config.max_len, hf_params)
+            state, _ = create_coco_state(model, tx, mesh, rules, config.seed, config.max_len, hf_params)
         else:
             state, _ = create_state(model, tx, mesh, rules, config.seed, config.max_len, hf_params)
     elif config.init.params_from:
@@ -491,27 +300,10 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                                          f"train state at step {start}: the checkpoint is inconsistent")
 
     # --- step
-    if coco:
-        train_step = coco_step.make_coco_train_step(model, step_cfg, tx, schedule)
-        eval_step, eval_ratios = coco_step.make_coco_eval_step(model, step_cfg), coco_ratios
-        flops = coco_step.coco_step_flops(model, step_cfg, batch=config.global_batch_size, length=config.max_len)
-    else:
-        teacher_model = teacher_of(model)
-        train_step = make_train_step(model, step_cfg, tx, schedule, teacher_model=teacher_model)
-        eval_step, eval_ratios = make_eval_step(model, step_cfg, teacher_model), ratios
-        flops = step_flops(model.config, batch=config.global_batch_size, length=config.max_len,
-                           predictions=step_cfg.max_predictions, teacher=step_cfg.uses_teacher,
-                           gathered_last_layer=step_cfg.gather_last_layer)
-    batch_sh = None  # inferred from the global arrays (rows over data × fsdp)
-    p_step = jax.jit(train_step, in_shardings=(state_sh, teacher_sh, batch_sh, parallel.replicated(mesh)),
-                     out_shardings=(state_sh, parallel.replicated(mesh)), donate_argnums=(0,))
-    p_eval = jax.jit(eval_step)
+    p_step, p_eval, eval_ratios = prog.train_step, prog.eval_step, prog.eval_ratios
+    flops, peak = prog.flops_per_step, prog.peak_flops_per_device
     rng = jax.random.key(config.seed)
-    export_model = model.main if coco else model
-
-    def export_params(params):  # what goes into a Hugging Face folder: the (main) BERT
-        return params["main"] if coco else params
-    peak = peak_flops_per_device(config.metrics.peak_flops_per_device)
+    export_model, export_params = prog.export_model, prog.export_params
 
     # --- loop; metrics are fetched one step late so the host never waits on the device.
     writer = MetricWriter(workdir)
@@ -523,7 +315,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     try:
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
             for step in range(start, config.num_train_steps):
-                batch = parallel.global_batch(next(train_iter), mesh)
+                batch = prog.global_batch(next(train_iter))
                 profiler.before_step(step)
                 state, metrics = p_step(state, teacher, batch, rng)
                 if step == start:
