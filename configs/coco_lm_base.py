@@ -17,10 +17,10 @@ Hardware: verified to compile and fit on one TPU v4-8 (4 devices, pure data para
 gradient accumulation, ``grad_accum_steps = 32``: 32 micro-batches of 64 sequences (16 per
 chip) × L 512, no rematerialisation, unrolled layers, bf16 compute. Compiler figures
 (``python -m tacl_jax.aot --config=configs/coco_lm_base.py --topology=v4-8``, jax 0.10.2; not a
-measurement): peak 15.37 GiB of 30.75 GiB usable HBM per device (50%); collectives 0.570 GB
+measurement): peak 15.32 GiB of 30.75 GiB usable HBM per device (50%); collectives 0.570 GB
 per step, the gradients all-reduced once after the micro-batch loop (7 all-reduces, 554 MB;
 ``train.step.accumulate``) plus SCL's all-gather of the view embeddings per micro-batch (64,
-12.6 MB in all); estimated step 8.35 s (≈ 31k tokens/s/chip, MFU ≈ 16% by XLA's pessimistic
+12.6 MB in all); estimated step 6.50 s (≈ 40k tokens/s/chip, MFU ≈ 21% by XLA's pessimistic
 cycle estimate). Without accumulation the step needs 277.6 GiB of temporaries per device;
 16 micro-batches peak at 29.20 GiB (95%, over the 90% margin kept for the runtime), est. 9.30 s.
 A larger slice needs fewer micro-batches (a v4-64, 32 devices: 64 rows per device per step,

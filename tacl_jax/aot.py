@@ -127,6 +127,8 @@ def compile_report(config, topology_name: str, config_name: str = "config") -> d
                                 if summary.estimated_cycles else None),
         "loops": [{"body": b, "trip_count": t} for b, t in summary.loops],
         "unknown_cost_ops": summary.unknown_cost_ops[:20],
+        "top_estimated_ops": ([{"s": c / topo.clock_hz, "kind": k, "op": op} for c, k, op in summary.top_ops]
+                              if summary.estimated_cycles else []),
         "cpu_kernels_in_program": summary.cpu_kernel_ops > 0, "cpu_kernel_ops": summary.cpu_kernel_ops,
         "lower_s": t1 - t0, "compile_s": t2 - t1,
         "peak_flops_per_device": topo.peak_flops, "clock_hz": topo.clock_hz,
@@ -158,6 +160,8 @@ def format_report(r: dict[str, Any]) -> str:
             f"{r['estimated_tokens_per_s_per_chip']:,.0f} tokens/s/chip, MFU {r['estimated_mfu']:.1%}")
         lines.append("    of which " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in
                                              sorted(r["estimated_s_by_kind"].items(), key=lambda kv: -kv[1])))
+        for t in r["top_estimated_ops"][:6]:
+            lines.append(f"    {t['s'] * 1e3:7.2f} ms  {t['kind']:8s} {t['op'][:100]}")
     else:
         lines.append(f"  no cycle estimate on this platform; FLOPs floor {r['flops_floor_s'] * 1e3:.1f} ms")
     coll = ", ".join(f"{k} {v['count']:.0f}× {v['bytes'] / 1e6:,.1f} MB" for k, v in sorted(r["collectives"].items()))

@@ -131,6 +131,8 @@ class Summary:
     # 'collective', 'relayout', 'other' (element-wise, reductions, gathers, RNG...).
     cycles_by_kind: dict[str, float] = dataclasses.field(default_factory=dict)
     unknown_cost_ops: list[str] = dataclasses.field(default_factory=list)   # sentinel estimates, left out
+    # The costliest ops by their estimate (times trip counts), summed per (kind, op_name).
+    top_ops: list[tuple[float, str, str]] = dataclasses.field(default_factory=list)   # (cycles, kind, op_name)
 
     @property
     def collective_bytes(self) -> float:
@@ -179,6 +181,7 @@ def summarize(hlo: str) -> Summary:
     s = Summary()
     s.cpu_kernel_ops = hlo.count(CPU_KERNEL_SCOPE)
     relayouts: dict[str, float] = {}
+    by_op: dict[tuple[str, str], float] = {}
 
     def walk(name: str, times: float, depth: int = 0):
         if depth > 50:
@@ -211,6 +214,10 @@ def summarize(hlo: str) -> Summary:
             what = ("collective" if kind else "relayout" if _relayout(comps, ins)
                     else "matmul" if _has_matmul(comps, ins) else "other")
             s.cycles_by_kind[what] = s.cycles_by_kind.get(what, 0.0) + times * ins.estimated_cycles
+            if ins.estimated_cycles:
+                m = re.search(r'op_name="([^"]*)"', ins.rest)
+                op = re.sub(r"layer_\d+", "layer_*", m.group(1) if m else ins.opcode)
+                by_op[(what, op)] = by_op.get((what, op), 0.0) + times * ins.estimated_cycles
             if kind:
                 c = s.collectives.setdefault(kind, {"count": 0.0, "bytes": 0.0})
                 c["count"] += times
@@ -226,6 +233,7 @@ def summarize(hlo: str) -> Summary:
 
     walk(entry, 1.0)
     s.top_relayouts = sorted(((b, k) for k, b in relayouts.items()), reverse=True)[:8]
+    s.top_ops = sorted(((c, kind, op) for (kind, op), c in by_op.items()), reverse=True)[:12]
     return s
 
 

@@ -48,6 +48,50 @@ def test_matmul_value_and_grads_equal_autodiff(with_bias, kernels):
         np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernels", ["cpu", "xla"])
+@pytest.mark.parametrize("in_f,out_f", [((6,), (3, 4)), ((3, 4), (6,)), ((6,), (5,))])
+def test_dense_with_heads_axes_value_and_grads_equal_a_plain_tensordot(kernels, in_f, out_f):
+    """``Dense`` with several feature axes (the attention projections: with ``kernels='xla'`` one
+    ``dot_general`` on the unreshaped arrays, else the 2-d ``matmul``): value and the gradients
+    w.r.t. input, kernel and bias are those of ``tensordot(x, W) + b``."""
+    dense = layers.Dense(in_f, out_f, ("a",) * (len(in_f) + len(out_f)), kernels=kernels)
+    x = _rand(0, (2, 5) + in_f)
+    params = {"kernel": _rand(2, in_f + out_f), "bias": _rand(3, out_f)}
+
+    def ours(x, w, b):
+        return dense.apply({"params": {"kernel": w, "bias": b}}, x)
+
+    def ref(x, w, b):
+        return jnp.tensordot(x, w, axes=len(in_f), precision="highest") + b
+
+    (v1, g1), (v2, g2) = (_grads(f, x, params["kernel"], params["bias"]) for f in (ours, ref))
+    np.testing.assert_allclose(v1, v2, rtol=1e-5, atol=1e-5)
+    for a, r in zip(g1, g2):
+        assert a.shape == r.shape and a.dtype == r.dtype
+        np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernels", ["cpu", "xla"])
+def test_bf16_dense_with_heads_axes_rounds_like_the_2d_matmul(kernels):
+    """bf16 compute: the heads-axes ``Dense`` gives the 2-d ``matmul``'s value (bf16 operands, f32
+    accumulation, one rounding) and its gradients to bf16 accuracy."""
+    x, w, b = _rand(0, (2, 8, 32)), _rand(1, (32, 4, 8)), _rand(2, (4, 8))
+    dense = layers.Dense((32,), (4, 8), ("a", "b", "c"), dtype=jnp.bfloat16, kernels=kernels)
+
+    def ours(x, w, b):
+        return dense.apply({"params": {"kernel": w, "bias": b}}, x).astype(jnp.float32)
+
+    def ref(x, w, b):
+        y = matmul(x.reshape(-1, 32), w.reshape(32, 32), jnp.bfloat16, b.reshape(32), "cpu")
+        return y.astype(jnp.bfloat16).astype(jnp.float32).reshape(2, 8, 4, 8)
+
+    (v1, g1), (v2, g2) = _grads(ours, x, w, b), _grads(ref, x, w, b)
+    np.testing.assert_array_equal(v1, v2)
+    for a, r in zip(g1, g2):
+        assert a.dtype == jnp.float32
+        np.testing.assert_allclose(a, r, rtol=2e-2, atol=2e-2)
+
+
 def test_bf16_matmul_keeps_f32_accumulation_and_bf16_backward():
     """bf16 operands: the result equals the f32 matmul of the bf16-rounded operands (f32
     accumulation), and the gradients those of the bf16-rounded cotangent."""

@@ -209,6 +209,18 @@ def _decoder_for(dtype_name: str, kernels: str):
     return dec
 
 
+def _dense_nd(x: jax.Array, w: jax.Array, n_in: int, compute_dtype) -> jax.Array:
+    """``kernels='xla'``: ``x [..., *in]`` contracted with ``w [*in, *out]`` -> f32 ``[..., *out]``,
+    both operands in ``compute_dtype``, as one ``dot_general`` on the unreshaped arrays (autodiff's
+    backward). Reshaping to ``[M, K] @ [K, N]`` (``matmul``) pins the ``[B, L, heads, head_dim]``
+    result to the 2-d row-major layout, and XLA:TPU then re-laid out q, k, v, the context and
+    their cotangents for the attention's batched matmuls: two copies each, 16 per layer forward +
+    backward (bert-base layer, v4, 64 rows of 256: est. 10.89 -> 8.17 ms, relayouts 403 MB -> 0)."""
+    dt = jnp.dtype(compute_dtype)
+    dims = ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ()))
+    return jax.lax.dot_general(x.astype(dt), w.astype(dt), dims, preferred_element_type=jnp.float32)
+
+
 class Dense(nn.Module):
     """``y = x · W + b`` contracting the last ``len(in_features)`` axes of x with W's first axes.
 
@@ -239,6 +251,13 @@ class Dense(nn.Module):
             bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros,
                                                                    tuple(self.kernel_axes[len(in_f):])),
                               out_f, self.param_dtype).reshape(n)
+        if self.kernels == "xla" and (len(in_f) > 1 or len(out_f) > 1):
+            # The attention projections (heads axes): one dot over x's own axes, not a matmul of
+            # reshaped 2-d views, so XLA:TPU picks the heads layouts itself (``_dense_nd``).
+            y = _dense_nd(x, kernel, len(in_f), self.dtype)
+            if bias is not None:
+                y = y + bias.reshape(out_f).astype(jnp.float32)
+            return y.astype(self.dtype)
         y = matmul(x.reshape(-1, k), kernel.reshape(k, n), self.dtype, bias, self.kernels)
         return y.astype(self.dtype).reshape(batch_shape + out_f)
 
