@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from tacl_jax import aot, precision
-from tacl_jax.config import load_config_file
 from tacl_jax.models import layers
 from tacl_jax.train import setup
+from test_train import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.py")
@@ -31,14 +31,7 @@ def _libtpu(request):
 
 
 def _tiny(**overrides):
-    c = load_config_file(TINY)
-    for key, value in overrides.items():
-        node = c
-        *path, last = key.split(".")
-        for p in path:
-            node = node[p]
-        node[last] = value
-    return c
+    return tiny_config(**overrides)   # configs/tiny.py with dotted-key overrides (tests/test_train.py)
 
 
 def test_multihost_tpu_program_is_decided_by_the_target():
