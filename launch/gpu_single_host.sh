@@ -9,6 +9,8 @@
 #   DATA: a prepared dataset folder (`tacl_jax.data.prepare` output; the config's data.source otherwise)
 #   GPUS: CUDA_VISIBLE_DEVICES, e.g. 0,1,2,3 (default: all)   PYTHON [python]
 #   DRY_RUN [0]: 1 = print the command, run nothing
+# XLA_FLAGS gets --xla_gpu_enable_latency_hiding_scheduler=true (after any value of yours; one of
+# yours for that flag is kept).
 # Install first: pip install -e ".[gpu]"  (jax[cuda12]). Resume = rerun the same command.
 set -euo pipefail
 
@@ -24,6 +26,13 @@ if [ -n "${GPUS:-}" ]; then export CUDA_VISIBLE_DEVICES=$GPUS; fi
 export PYTHONUNBUFFERED=1
 # JAX preallocates 75% of each GPU by default; the teacher and the student share it.
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.90}
+# XLA's latency-hiding scheduler overlaps the gradient all-reduces with the backward pass; it is
+# off by default on GPUs. A setting of the flag already in XLA_FLAGS is the user's and stays.
+case " ${XLA_FLAGS:-} " in
+  *" --xla_gpu_enable_latency_hiding_scheduler="*) ;;
+  *) XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_latency_hiding_scheduler=true" ;;
+esac
+export XLA_FLAGS
 
 # One process: never start jax.distributed, even inside a multi-task SLURM allocation.
 ARGS=(--config="$CONFIG" --workdir="$WORKDIR" --config.distributed.initialize=never)
@@ -32,7 +41,7 @@ if [ -n "$DATA" ]; then ARGS+=(--config.data.source="prepared:$DATA"); fi
 ARGS+=("$@")
 
 CMD=("$PYTHON" -m tacl_jax.main "${ARGS[@]}")
-printf '+%s' "${CUDA_VISIBLE_DEVICES:+ CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES}"
+printf '+%s XLA_FLAGS=%q' "${CUDA_VISIBLE_DEVICES:+ CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES}" "$XLA_FLAGS"
 printf ' %q' "${CMD[@]}"
 printf '\n'
 if [ "$DRY_RUN" != 1 ]; then exec "${CMD[@]}"; fi

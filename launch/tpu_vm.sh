@@ -9,11 +9,16 @@
 #             download the Hugging Face model, then `stage`
 #   stage     copy the prepared dataset DATA (gs://) to every worker's disk (gcloud storage rsync)
 #   train     start `python3 -m tacl_jax.main --config=$CONFIG --workdir=$WORKDIR` on all workers
-#             at once, in the background (nohup), logging to ~/tacl/train.log on each worker
+#             at once, in the background (nohup), logging to ~/tacl/train.log on each worker;
+#             starts none if a process holds the TPU on any worker (naming it), and removes a
+#             stale /tmp/libtpu_lockfile (one that no process holds) with a message
 #   resume    = train: the run continues from the latest complete checkpoint in $WORKDIR
 #   logs      follow the log of worker $WORKER (default 0)
+#   fetch-logs  copy every worker's ~/tacl/train.log here, to $LOG_DIR/worker-N.log
 #   status    the VM's state, and on every worker whether training runs plus its last log line
-#   stop      SIGTERM the training process on every worker: it saves a checkpoint and exits
+#   stop      SIGTERM the training process on every worker: it saves a checkpoint and exits;
+#             one still running STOP_TIMEOUT seconds later is killed (SIGKILL: a rerun resumes
+#             from the latest complete checkpoint). Then fetch-logs.
 #   delete    delete the VM (or the queued resource and its VM)
 #   ssh CMD   run CMD on worker $WORKER (default all)
 #
@@ -33,8 +38,14 @@
 #   PYTHON_VERSION [3.12]: the workers' venv (~/tacl/venv, made with uv; jax needs >= 3.11)
 #   JAX_SPEC [jax[tpu]]   TRAIN_ARGS: extra flags for tacl_jax.main (also accepted after `--`)
 #   WORKER [0 for logs, all for ssh]   STOP_TIMEOUT [900] seconds   YES [0]: 1 = no delete prompt
+#   SSH_FLAGS: flags for every `gcloud compute tpus tpu-vm ssh` and `scp`, split on blanks, e.g.
+#              "--internal-ip --strict-host-key-checking=no" (from a VM in the same network)
+#   LOG_DIR [runs/tpu_logs/$TPU_NAME in this checkout]: where fetch-logs puts the workers' logs
+#   LIBTPU_LOCKFILE [/tmp/libtpu_lockfile]: libtpu's lock file on the workers
 #   DRY_RUN [0]: 1 = print every command, run none
 #
+# One slice per VM: Multislice (queued resources with --node-count, driven with
+# `queued-resources ssh --node=all`) is not supported (see launch/README.md).
 # Every command is printed (prefixed with '+') before it runs. See launch/README.md.
 set -euo pipefail
 
@@ -79,6 +90,10 @@ PYTHON_VERSION=${PYTHON_VERSION:-3.12}
 TRAIN_ARGS=${TRAIN_ARGS:-}
 STOP_TIMEOUT=${STOP_TIMEOUT:-900}
 YES=${YES:-0}
+SSH_FLAGS=${SSH_FLAGS:-}
+LOG_DIR=${LOG_DIR:-$ROOT/runs/tpu_logs/$TPU_NAME}   # runs/ is git-ignored: setup does not ship it
+LIBTPU_LOCKFILE=${LIBTPU_LOCKFILE:-/tmp/libtpu_lockfile}
+if [[ ! "$STOP_TIMEOUT" =~ ^[0-9]+$ ]]; then echo "STOP_TIMEOUT=$STOP_TIMEOUT: a whole number of seconds" >&2; exit 2; fi
 
 # Chips per accelerator type and hosts (= JAX processes) per slice. v4 and v5p count
 # TensorCores (2 per chip), v5e and v6e count chips; a host has 4 chips, or up to 8 on the
@@ -106,6 +121,9 @@ for name in "$model_name" "$data_name" "$PYTHON_VERSION"; do
     echo "'$name' (model/data folder name, PYTHON_VERSION) may use only letters, digits and . _ -" >&2; exit 2
   fi
 done
+if [[ ! "$LIBTPU_LOCKFILE" =~ ^/[A-Za-z0-9._/-]+$ ]]; then
+  echo "LIBTPU_LOCKFILE=$LIBTPU_LOCKFILE: an absolute path of letters, digits and . _ - /" >&2; exit 2
+fi
 if [[ ! "$HF_MODEL" =~ ^[A-Za-z0-9._/-]+$ ]]; then echo "HF_MODEL=$HF_MODEL: not a Hub id" >&2; exit 2; fi
 # shellcheck disable=SC2016  # $HOME is expanded by the remote shell, on each worker
 R='$HOME/tacl'
@@ -115,6 +133,9 @@ PIDFILE="$R/train.pid"
 
 GFLAGS=(--zone="$ZONE")
 if [ -n "$PROJECT" ]; then GFLAGS+=(--project="$PROJECT"); fi
+# Flags for ssh and scp only (create, describe and delete refuse them).
+SSHFLAGS=()
+if [ -n "$SSH_FLAGS" ]; then read -r -a SSHFLAGS <<< "$SSH_FLAGS"; fi
 
 say() { printf '\n== %s\n' "$*"; }
 
@@ -137,7 +158,14 @@ run() {
 }
 
 ssh_workers() {  # ssh_workers WORKER COMMAND
-  run gcloud compute tpus tpu-vm ssh "$TPU_NAME" "${GFLAGS[@]}" --worker="$1" --command="$2"
+  run gcloud compute tpus tpu-vm ssh "$TPU_NAME" "${GFLAGS[@]}" ${SSHFLAGS[@]+"${SSHFLAGS[@]}"} \
+    --worker="$1" --command="$2"
+}
+
+scp_workers() {  # scp_workers WORKER SRC... DEST (a worker's path as $TPU_NAME:PATH)
+  local worker=$1
+  shift
+  run gcloud compute tpus tpu-vm scp "$@" "${GFLAGS[@]}" ${SSHFLAGS[@]+"${SSHFLAGS[@]}"} --worker="$worker"
 }
 
 # ----------------------------------------------------------------------------- subcommands
@@ -185,7 +213,7 @@ cmd_setup() {
         | while IFS= read -r -d '' f; do if [ -e "$f" ]; then printf '%s\0' "$f"; fi; done \
         | tar -czf "$tarball" --null -T -)
     fi
-    run gcloud compute tpus tpu-vm scp "$tarball" "$TPU_NAME:tacl_src.tar.gz" "${GFLAGS[@]}" --worker=all
+    scp_workers all "$tarball" "$TPU_NAME:tacl_src.tar.gz"
     if [ "$DRY_RUN" != 1 ]; then rm -f "$tarball"; fi
     ssh_workers all "set -e; mkdir -p $R; rm -rf $R/repo; mkdir -p $R/repo; tar -xzf \$HOME/tacl_src.tar.gz -C $R/repo"
   fi
@@ -246,8 +274,12 @@ cmd_train() {
   extra+=(${EXTRA[@]+"${EXTRA[@]}"})
   if [ "${#extra[@]}" -gt 0 ]; then args+=$(printf ' %q' "${extra[@]}"); fi
   say "train: $CONFIG on $ACCELERATOR_TYPE ($(num_hosts) host(s)), workdir $WORKDIR"
-  ssh_workers all "set -e; cd $R/repo
+  # Every worker checks first, and none starts unless all can: a slice's workers that started
+  # without the others would wait for them in jax.distributed until its timeout.
+  ssh_workers all "set -e
 if [ -f $PIDFILE ] && kill -0 \"\$(cat $PIDFILE)\" 2>/dev/null; then echo \"\$(hostname): already training (pid \$(cat $PIDFILE)); stop it first\"; exit 1; fi
+$(tpu_free_check)"
+  ssh_workers all "set -e; cd $R/repo
 echo \"=== \$(date '+%F %T') \$(hostname) start:\" $PY -m tacl_jax.main $args >> $LOG
 PYTHONUNBUFFERED=1 nohup $PY -m tacl_jax.main $args >> $LOG 2>&1 < /dev/null &
 echo \$! > $PIDFILE
@@ -260,8 +292,50 @@ cmd_resume() {
   cmd_train
 }
 
+# Remote shell code for `train`. libtpu lets one process at a time open the TPU; a run that finds
+# it taken dies at start-up with an error deep in its log. Say who holds it, and start nothing.
+# A lock file that no process holds is left by a killed run: remove it, saying so. lsof sees other
+# users' processes only as root: through sudo when that needs no password.
+tpu_free_check() {
+  printf 'lock=%s\n' "$LIBTPU_LOCKFILE"
+  cat <<'REMOTE'
+if command -v lsof >/dev/null 2>&1; then
+  lsof_=lsof
+  if sudo -n true 2>/dev/null; then lsof_='sudo -n lsof'; fi
+  holders=$($lsof_ -t "$lock" /dev/accel* /dev/vfio/[0-9]* 2>/dev/null | sort -un | tr '\n' ' ')
+  holders=${holders% }
+  if [ -n "$holders" ]; then
+    echo "$(hostname): not starting: the TPU is in use by pid(s) $holders (open: /dev/accel*, /dev/vfio/* or $lock):"
+    ps -o pid=,etime=,args= -p "$holders" || true
+    echo "$(hostname): stop them first (launch/tpu_vm.sh stop, or launch/tpu_vm.sh ssh 'kill PID')"
+    exit 1
+  fi
+else
+  echo "$(hostname): lsof is not installed: cannot check whether another process holds the TPU"
+fi
+if [ -e "$lock" ]; then
+  echo "$(hostname): removing the stale $lock (no process holds it: a killed run left it behind)"
+  rm -f "$lock" 2>/dev/null || sudo -n rm -f "$lock" 2>/dev/null || true
+  if [ -e "$lock" ]; then echo "$(hostname): cannot remove $lock: run sudo rm -f $lock on it"; exit 1; fi
+fi
+REMOTE
+}
+
 cmd_logs() {
   ssh_workers "${WORKER:-0}" "tail -n 200 -F $LOG"
+}
+
+# The logs live on the workers, which a delete or a preemption takes with them: keep a copy here.
+cmd_fetch_logs() {
+  local i n
+  n=$(num_hosts)
+  say "fetch-logs: ~/tacl/train.log of $n worker(s) -> $LOG_DIR/worker-N.log"
+  run mkdir -p "$LOG_DIR"
+  for ((i = 0; i < n; i++)); do
+    # A worker without a log (it never trained) must not keep the others' logs from coming back.
+    scp_workers "$i" "$TPU_NAME:tacl/train.log" "$LOG_DIR/worker-$i.log" \
+      || echo "# worker $i: no log copied (see the error above)" >&2
+  done
 }
 
 cmd_status() {
@@ -272,9 +346,32 @@ cmd_status() {
   ssh_workers all "if [ -f $PIDFILE ] && kill -0 \"\$(cat $PIDFILE)\" 2>/dev/null; then s=\"training (pid \$(cat $PIDFILE))\"; else s='not training'; fi; echo \"\$(hostname): \$s | \$(tail -n 1 $LOG 2>/dev/null)\""
 }
 
+# A run that does not exit within STOP_TIMEOUT of the SIGTERM (stuck in a collective, a hung save)
+# keeps the TPU, and the next `train` cannot start: SIGKILL it. The latest complete checkpoint
+# stays the one a rerun resumes from. A zombie has exited (its parent has yet to reap it).
 cmd_stop() {
-  say "stop: SIGTERM to the training process on every worker; it checkpoints and exits (up to ${STOP_TIMEOUT}s)"
-  ssh_workers all "if [ -f $PIDFILE ] && kill -0 \"\$(cat $PIDFILE)\" 2>/dev/null; then p=\$(cat $PIDFILE); kill -TERM \$p; for _ in \$(seq $STOP_TIMEOUT); do kill -0 \$p 2>/dev/null || break; sleep 1; done; if kill -0 \$p 2>/dev/null; then echo \"\$(hostname): pid \$p still running after ${STOP_TIMEOUT}s\"; else echo \"\$(hostname): stopped\"; rm -f $PIDFILE; fi; else echo \"\$(hostname): not training\"; fi"
+  local rc=0
+  say "stop: SIGTERM to the training process on every worker; it checkpoints and exits (SIGKILL after ${STOP_TIMEOUT}s)"
+  ssh_workers all "alive() { kill -0 \$1 2>/dev/null && [ \"\$(ps -o stat= -p \$1 | cut -c1)\" != Z ]; }
+if [ -f $PIDFILE ] && alive \"\$(cat $PIDFILE)\"; then
+  p=\$(cat $PIDFILE); kill -TERM \$p
+  for _ in \$(seq $STOP_TIMEOUT); do alive \$p || break; sleep 1; done
+  if alive \$p; then
+    echo \"\$(hostname): pid \$p still running ${STOP_TIMEOUT}s after SIGTERM: SIGKILL (a rerun resumes from the latest complete checkpoint)\"
+    kill -KILL \$p 2>/dev/null || true
+    for _ in \$(seq 30); do alive \$p || break; sleep 1; done
+    if alive \$p; then echo \"\$(hostname): pid \$p survives SIGKILL (stuck in the TPU driver?): reboot this worker\"; exit 1; fi
+    echo \"\$(hostname): killed\"
+  else
+    echo \"\$(hostname): stopped\"
+  fi
+  rm -f $PIDFILE
+else
+  echo \"\$(hostname): not training\"
+fi" || rc=$?
+  # The logs tell why a worker would not stop: fetch them in any case.
+  cmd_fetch_logs
+  return "$rc"
 }
 
 cmd_delete() {
@@ -306,6 +403,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --) shift; EXTRA=("$@"); break ;;
     create|setup|stage|train|resume|logs|status|stop|delete) COMMANDS+=("$1"); shift ;;
+    fetch-logs) COMMANDS+=(fetch_logs); shift ;;
     ssh) if [ $# -lt 2 ]; then echo "ssh needs a command" >&2; exit 2; fi
          COMMANDS+=("ssh"); SSH_COMMAND=$2; shift 2 ;;
     -h|--help|help) usage; exit 0 ;;

@@ -13,7 +13,11 @@ from scratch, re-initialised from the seed, which reproduces it bit for bit.
 
 Atomicity is Orbax's: a step is written under a temporary name and renamed when complete, so a
 kill during an async save leaves a temporary directory that ``latest_step`` never returns.
-``CheckpointManager`` logs such leftovers and never deletes anything it does not understand.
+``CheckpointManager`` logs such leftovers and never deletes anything it does not understand. A
+complete but damaged step (a truncated array file: a bad disk, a copy cut short) is found when
+restoring it fails while the step before restores: it is moved to ``workdir/checkpoints_damaged/``
+(kept for inspection, out of Orbax's way) and the run resumes from the step before, loudly. A save
+that fails (disk full) ends the run with one line naming the last good checkpoint.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ import json
 import logging
 import os
 import re
-import signal
-import threading
+import shutil
+import time
 from typing import Any
 
 import jax
@@ -31,14 +35,20 @@ import ml_collections
 import orbax.checkpoint as ocp
 from etils import epath
 
+from tacl_jax.errors import UserError
+
 log = logging.getLogger(__name__)
 
 ITEMS = ("state", "data", "config")
 _STEP_DIR = re.compile(r"^\d+$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint directory that is not ours or is damaged."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A save failed (disk full, permissions, quota): the message names the last good checkpoint."""
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -48,33 +58,6 @@ def checkpoint_dir(workdir: str) -> str:
 def _abs(path: str) -> str:
     # Orbax wants absolute paths; gs:// and friends are left alone.
     return path if "://" in path else os.path.abspath(path)
-
-
-class PreemptionFlag:
-    """SIGTERM (what Cloud TPU and SLURM send before taking a machine) sets a flag the loop reads
-    at the next step boundary. With ``jax.distributed`` running, JAX's own preemption sync
-    manager also sees the signal and Orbax's ``reached_preemption`` agrees across hosts."""
-
-    def __init__(self):
-        self.event = threading.Event()
-        self._previous = None
-
-    def install(self) -> "PreemptionFlag":
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        return self
-
-    def _handle(self, signum, frame):  # noqa: ARG002
-        log.warning("SIGTERM received: saving a checkpoint at the next step boundary, then exiting")
-        self.event.set()
-
-    def uninstall(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
-
-    def is_set(self) -> bool:
-        return self.event.is_set()
 
 
 class CheckpointManager:
@@ -143,7 +126,10 @@ class CheckpointManager:
         args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                                   data=ocp.args.JsonSave(data_state),
                                   config=ocp.args.JsonSave(json.loads(config.to_json_best_effort())))
-        return self.manager.save(step, args=args, force=force)
+        try:
+            return self.manager.save(step, args=args, force=force)
+        except Exception as e:  # pylint: disable=broad-except  # OSError, or Orbax wrapping it
+            raise self._write_error(step, e) from e
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict, dict]:
         """``(state, data_state, config_dict)`` of ``step``; ``abstract_state`` carries the target
@@ -152,7 +138,7 @@ class CheckpointManager:
             out = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
                 config=ocp.args.JsonRestore()))
-        except (ValueError, KeyError, FileNotFoundError) as e:
+        except Exception as e:  # pylint: disable=broad-except  # TensorStore/Orbax errors have many types
             raise CheckpointError(
                 f"checkpoint {self.directory}/{step} cannot be restored into this run's state "
                 f"({type(e).__name__}: {str(e)[:300]}). It was written by a different model or "
@@ -161,14 +147,79 @@ class CheckpointManager:
                 "init.params_from to take only its params. Nothing was deleted.") from e
         return out.state, out.data, out.config
 
+    def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict, dict] | None:
+        """``(step, state, data_state, config_dict)`` of the newest step that restores, or None when
+        there is no checkpoint. When the newest fails but the one before restores, the newest is
+        damaged: it is moved to ``checkpoints_damaged/`` and the step before is used, with a warning.
+        When both fail the newest's error is raised (a different config, most likely)."""
+        steps = sorted(self.all_steps())
+        if not steps:
+            return None
+        try:
+            return (steps[-1], *self.restore(steps[-1], abstract_state))
+        except CheckpointError as newest_error:
+            if len(steps) < 2:
+                raise
+            try:
+                out = self.restore(steps[-2], abstract_state)
+            except CheckpointError:
+                raise newest_error from None
+            moved = self._move_damaged(steps[-1])
+            log.warning("CHECKPOINT %s/%d IS DAMAGED (%s) while %d restores: it was moved to %s and the run "
+                        "resumes from step %d (the steps after it are redone)", self.directory, steps[-1],
+                        _root_cause(newest_error.__cause__ or newest_error), steps[-2], moved, steps[-2])
+            return (steps[-2], *out)
+
+    def _move_damaged(self, step: int) -> str:
+        """Move ``checkpoints/<step>`` to ``checkpoints_damaged/<step>-<time>`` (process 0; the
+        others wait), so that the step can be saved again. Nothing is deleted."""
+        src = os.path.join(self.directory, str(step))
+        dst = os.path.join(os.path.dirname(self.directory), "checkpoints_damaged",
+                           f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
+        if jax.process_index() == 0:
+            if "://" in src:   # object stores have no rename; a copy of a damaged tree is the user's call
+                raise CheckpointError(f"{src} is damaged while step {step} - 1 or earlier restores: move "
+                                      f"{src} out of {self.directory} (e.g. gsutil -m mv) and rerun to resume")
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            shutil.move(src, dst)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"tacl_jax_moved_damaged_{step}")
+        self.manager.reload()
+        return dst
+
     def restore_config(self, step: int) -> dict:
         return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Block until the async save in flight is on disk (its errors surface here)."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # pylint: disable=broad-except
+            raise self._write_error(None, e) from e
+
+    def _write_error(self, step: int | None, e: BaseException) -> CheckpointWriteError:
+        try:
+            self.manager.reload()
+            good = self.manager.latest_step()
+        except Exception:  # pylint: disable=broad-except  # the disk may be unreadable too
+            good = None
+        last = f"{self.directory}/{good}" if good is not None else "none (nothing was saved)"
+        what = f"the checkpoint of step {step}" if step is not None else "a checkpoint"
+        cause = _root_cause(e)
+        return CheckpointWriteError(
+            f"{what} could not be written to {self.directory}: {cause}. The last good checkpoint is {last}; "
+            "free space (or fix the folder's permissions) and rerun the same command to resume from it.")
 
     def close(self) -> None:
         self.manager.close()
+
+
+def _root_cause(e: BaseException) -> str:
+    """The innermost exception's type and first line: what Orbax/TensorStore wrapped."""
+    while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
+        e = e.__cause__ or e.__context__
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:240] if str(e).strip() else ''}"
 
 
 def abstract_like(tree: Any, shardings: Any) -> Any:

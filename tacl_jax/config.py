@@ -1,20 +1,32 @@
 """Every configuration key, with its default, in one place; ``configs/*.py`` override them.
 
-``validate(config)`` runs at start-up and turns a bad combination into a clear error before
-anything is compiled. Unknown keys are refused by ``ml_collections`` itself (configs are locked).
+``validate(config)`` runs at start-up and turns a value out of range (``CHECKS``, one entry per
+key) or a bad combination into a clear error before anything is compiled. Unknown keys are refused
+by ``ml_collections`` itself (configs are locked); ``unknown_key`` words that refusal for the
+command line. ``resume_changes`` compares a checkpoint's saved config with this run's, and
+``ConfigChangedError`` refuses the changes a resumed run cannot make.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import json
+import math
 import re
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import ml_collections
 
 from tacl_jax import precision
+from tacl_jax.errors import ConfigError
 from tacl_jax.data import config as data_config
 from tacl_jax.models import REMAT_POLICIES
+from tacl_jax.models.coco_lm import SAMPLE_MODES
 from tacl_jax.models.dropout import DROPOUT_BITS
 from tacl_jax.objectives.coco_lm import coco_lm_config
+from tacl_jax.parallel import DISTRIBUTED_MODES
 
 OBJECTIVES = ("tacl", "mlm", "coco_lm")
 TEACHER_PARAM_DTYPES = ("compute", "float32", "bfloat16")
@@ -158,53 +170,415 @@ def parse_profile_steps(value: str, num_train_steps: int | None = None) -> tuple
              "traces the steps that take the state from step 5 to step 8 (3 steps); '' turns profiling off")
     parts = [p.strip() for p in text.split(",")]
     if len(parts) != 2 or not all(re.fullmatch(r"[+-]?[0-9]+", p) for p in parts):
-        raise ValueError(f"config.profile_steps={value!r} is not two integers 'START,STOP'" + usage)
+        raise ConfigError(f"config.profile_steps={value!r} is not two integers 'START,STOP'" + usage)
     start, stop = int(parts[0]), int(parts[1])
     if start < 0:
-        raise ValueError(f"config.profile_steps={value!r}: START {start} is negative" + usage)
+        raise ConfigError(f"config.profile_steps={value!r}: START {start} is negative" + usage)
     if stop <= start:
-        raise ValueError(f"config.profile_steps={value!r}: STOP {stop} must be greater than START {start}" + usage)
+        raise ConfigError(f"config.profile_steps={value!r}: STOP {stop} must be greater than START {start}" + usage)
     if num_train_steps is not None and stop > num_train_steps:
-        raise ValueError(f"config.profile_steps={value!r}: STOP {stop} is past the run's last step "
+        raise ConfigError(f"config.profile_steps={value!r}: STOP {stop} is past the run's last step "
                          f"(num_train_steps {num_train_steps})" + usage)
     return start, stop
 
 
+# ----------------------------------------------------------------------------- value checks
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The allowed values of a numeric key: the interval from ``lo`` to ``hi`` (closed unless
+    ``lo_open`` / ``hi_open``; None = unbounded; a key path such as ``'max_len'`` = that key's
+    value), plus the sentinels in ``also`` (e.g. -1 = 'derive it'). With ``when`` (a bool key) the
+    range applies only while that key is True. Non-finite values (nan, inf) are always refused."""
+
+    lo: Any = None
+    hi: Any = None
+    lo_open: bool = False
+    hi_open: bool = False
+    also: tuple = ()
+    when: str | None = None
+
+    def error(self, path: str, value, c) -> str | None:
+        if self.when and not _get(c, self.when):
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"config.{path}={value!r} is not a number: must be {self.describe(c)}"
+        if value in self.also:
+            return None
+        if not math.isfinite(value):
+            return f"config.{path}={value!r} is out of range: must be finite and {self.describe(c)}"
+        lo, hi = _bound(self.lo, c), _bound(self.hi, c)
+        ok = ((lo is None or (value > lo if self.lo_open else value >= lo))
+              and (hi is None or (value < hi if self.hi_open else value <= hi)))
+        return None if ok else f"config.{path}={value!r} is out of range: must be {self.describe(c)}"
+
+    def describe(self, c=None) -> str:
+        lo, hi = _bound_text(self.lo, c), _bound_text(self.hi, c)
+        if lo is not None and hi is not None:
+            text = f"in {'(' if self.lo_open else '['}{lo}, {hi}{')' if self.hi_open else ']'}"
+        elif lo is not None:
+            text = f"{'>' if self.lo_open else '>='} {lo}"
+        elif hi is not None:
+            text = f"{'<' if self.hi_open else '<='} {hi}"
+        else:
+            text = "a finite number"
+        text += "".join(f" or {a}" for a in self.also)
+        return text + (f" (when {self.when})" if self.when else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class OneOf:
+    """The allowed values of a key that picks one of a few settings."""
+
+    choices: tuple
+
+    def error(self, path: str, value, c) -> str | None:
+        return None if value in self.choices else f"config.{path}={value!r}: use one of {self.choices}"
+
+    def describe(self, c=None) -> str:
+        return f"one of {self.choices}"
+
+
+def _get(c, path: str):
+    for part in path.split("."):
+        c = c[part]
+    return c
+
+
+def _bound(bound, c):
+    return _get(c, bound) if isinstance(bound, str) else bound
+
+
+def _bound_text(bound, c) -> str | None:
+    if isinstance(bound, str):
+        return bound if c is None else f"{bound}={_get(c, bound)}"
+    return None if bound is None else repr(bound)
+
+
+POSITIVE_INT = Range(lo=1)
+COUNT = Range(lo=0)                       # 0 = off / none / derive it
+POSITIVE = Range(lo=0, lo_open=True)
+NONNEG = Range(lo=0)
+PROB = Range(lo=0, hi=1)                  # a probability or a share
+RATE = Range(lo=0, hi=1, hi_open=True)    # dropout, Adam's betas: 1 would never forget / drop all
+
+# Every numeric key of default_config(), and the keys that pick one of a few settings, once: the
+# allowed values. tests/test_config.py fails on a numeric key that is not here or in
+# DELEGATED_CHECKS, so a new key cannot be forgotten. Bounds that depend on another key name it.
+CHECKS: dict[str, Range | OneOf] = {
+    "objective": OneOf(OBJECTIVES),
+    "seed": Range(lo=0),                  # numpy's default_rng refuses negative seeds
+    "max_len": Range(lo=5),               # [CLS] a [SEP] b [SEP]: room for one token per side
+    "global_batch_size": POSITIVE_INT,
+    "grad_accum_steps": POSITIVE_INT,
+    "num_train_steps": POSITIVE_INT,
+    "steps_per_run": COUNT,
+    "log_every": POSITIVE_INT,
+    "eval_every": COUNT,
+    "eval_batches": POSITIVE_INT,
+    "hf_export_every": COUNT,
+    # Toy vocabularies put the special ids at 0..4 (tokens.default_special_ids): one regular id more.
+    "init.scratch.vocab_size": Range(lo=6),
+    "init.scratch.hidden_size": POSITIVE_INT,
+    "init.scratch.num_hidden_layers": POSITIVE_INT,
+    "init.scratch.num_attention_heads": POSITIVE_INT,
+    "init.scratch.intermediate_size": POSITIVE_INT,
+    "init.scratch.max_position_embeddings": POSITIVE_INT,
+    "init.scratch.type_vocab_size": POSITIVE_INT,
+    "model.dtype": OneOf(precision.CHOICES),
+    "model.remat_policy": OneOf(REMAT_POLICIES),
+    "model.hidden_dropout_prob": RATE,
+    "model.attention_probs_dropout_prob": RATE,
+    "model.dropout_bits": OneOf(DROPOUT_BITS),
+    "model.vocab_multiple": POSITIVE_INT,
+    "masking.mask_prob": Range(lo=0, hi=1, lo_open=True, hi_open=True),
+    "masking.replace_prob": PROB,
+    "masking.random_prob": PROB,
+    # Slots per row (0 = round(mask_prob · max_len)); more slots than positions cannot be filled.
+    "masking.max_predictions": Range(lo=0, hi="max_len"),
+    "tacl.temperature": POSITIVE,
+    "tacl.teacher_param_dtype": OneOf(TEACHER_PARAM_DTYPES),
+    "loss_weights.mlm": NONNEG,
+    "loss_weights.tacl": NONNEG,
+    "loss_weights.nsp": NONNEG,
+    "coco_lm.generator_layers": POSITIVE_INT,
+    "coco_lm.generator_sample_mode": OneOf(SAMPLE_MODES),
+    "coco_lm.crop_fraction": Range(lo=0, hi=1, lo_open=True),
+    "coco_lm.scl_dim": COUNT,             # 0 = the hidden size
+    "coco_lm.temperature": POSITIVE,
+    "coco_lm.scl_negatives": OneOf(("global", "local")),
+    "coco_lm.loss_weights.gen_mlm": NONNEG,
+    "coco_lm.loss_weights.binary": NONNEG,
+    "coco_lm.loss_weights.clm": NONNEG,
+    "coco_lm.loss_weights.scl": NONNEG,
+    "optim.learning_rate": NONNEG,
+    "optim.warmup_steps": Range(lo=0, also=(-1,)),   # -1: use warmup_fraction
+    "optim.warmup_fraction": PROB,
+    "optim.weight_decay": NONNEG,
+    "optim.b1": RATE,
+    "optim.b2": RATE,
+    # Adam divides by sqrt(v) + eps, and v is exactly 0 for embedding rows no batch has touched.
+    "optim.eps": POSITIVE,
+    "optim.clip_norm": NONNEG,            # 0 = no clipping
+    "mesh.data": Range(lo=1, also=(-1,)),  # -1: the devices left over (at most one axis)
+    "mesh.fsdp": Range(lo=1, also=(-1,)),
+    "mesh.tensor": Range(lo=1, also=(-1,)),
+    "mesh_devices": COUNT,                # 0 = all
+    "distributed.initialize": OneOf(DISTRIBUTED_MODES),
+    "distributed.num_processes": POSITIVE_INT,
+    "distributed.process_id": Range(lo=0, hi="distributed.num_processes", hi_open=True),
+    "checkpoint.every": COUNT,            # 0 = only at the end and on SIGTERM
+    "checkpoint.keep": POSITIVE_INT,      # Orbax keeps at least the newest one anyway
+    "checkpoint.keep_every": COUNT,
+    "metrics.peak_flops_per_device": NONNEG,   # 0 = by device kind
+    "analysis.num_sentences": Range(lo=1, when="analysis.enabled"),
+    "analysis.max_len": Range(lo=3, when="analysis.enabled"),   # [CLS] w [SEP]
+    "analysis.batch_size": Range(lo=1, when="analysis.enabled"),
+    "data.shuffle_seed_offset": Range(lo=0),
+    "data.first_regular_id": Range(lo=0, also=(-1,)),   # -1: 999 or 5 by vocabulary size
+}
+
+# Numeric keys whose range tacl_jax.data.config.validate checks (it also guards `prepare`, which
+# has no run config); validate() calls it.
+DELEGATED_CHECKS = {"data.short_seq_prob", "data.eval_fraction", "data.num_shards", "data.worker_count",
+                    "data.read_threads", "data.prefetch"}
+
+
 def validate(c: ml_collections.ConfigDict) -> None:
-    """Checks that need no devices. Device-dependent checks live in ``tacl_jax.train.loop``."""
-    if c.objective not in OBJECTIVES:
-        raise ValueError(f"config.objective={c.objective!r}: use one of {OBJECTIVES}")
-    if c.model.dtype not in precision.CHOICES:
-        raise ValueError(f"config.model.dtype={c.model.dtype!r}: use one of {precision.CHOICES}")
-    if c.model.remat_policy not in REMAT_POLICIES:
-        raise ValueError(f"config.model.remat_policy={c.model.remat_policy!r}: use one of {REMAT_POLICIES}")
+    """Checks that need no devices: every key of ``CHECKS``, then the combinations. A ValueError
+    names the key, its value and what is allowed. Device-dependent checks live in
+    ``tacl_jax.train.loop``."""
+    for path, check in CHECKS.items():
+        error = check.error(path, _get(c, path), c)
+        if error:
+            raise ConfigError(error)
     if not isinstance(c.model.scan_layers, bool):
-        raise ValueError(f"config.model.scan_layers={c.model.scan_layers!r}: use True or False")
-    if c.model.get("dropout_bits", 16) not in DROPOUT_BITS:
-        raise ValueError(f"config.model.dropout_bits={c.model.dropout_bits!r}: use one of {DROPOUT_BITS}")
-    for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
-        if not 0.0 <= c.model[name] < 1.0:
-            raise ValueError(f"config.model.{name}={c.model[name]!r}: use a rate in [0, 1)")
+        raise ConfigError(f"config.model.scan_layers={c.model.scan_layers!r}: use True or False")
     data_config.validate(c.data)
     if c.nsp and c.data.packing != "nsp_pairs" and c.data.source != "synthetic":
-        raise ValueError("config.nsp=True needs sentence pairs: set config.data.packing='nsp_pairs'")
+        raise ConfigError("config.nsp=True needs sentence pairs: set config.data.packing='nsp_pairs'")
     if c.objective == "tacl" and not (c.init.hf_path or c.init.params_from) and not c.init.from_scratch:
-        raise ValueError("TaCL needs a pretrained teacher: set config.init.hf_path to a Hugging Face BERT "
+        raise ConfigError("TaCL needs a pretrained teacher: set config.init.hf_path to a Hugging Face BERT "
                          "folder, or config.init.from_scratch=True to train against a random teacher "
                          "(meaningful only for tests and benchmarks)")
-    if c.global_batch_size <= 0 or c.num_train_steps <= 0 or c.max_len < 5:
-        raise ValueError("global_batch_size and num_train_steps must be positive and max_len >= 5")
     parse_profile_steps(c.get("profile_steps", ""), c.num_train_steps)
-    if c.grad_accum_steps < 1 or c.global_batch_size % c.grad_accum_steps:
-        raise ValueError(f"global_batch_size {c.global_batch_size} is not divisible by "
+    if c.global_batch_size % c.grad_accum_steps:
+        raise ConfigError(f"global_batch_size {c.global_batch_size} is not divisible by "
                          f"grad_accum_steps {c.grad_accum_steps}")
-    if not 0 < c.masking.mask_prob < 1 or c.masking.replace_prob + c.masking.random_prob > 1:
-        raise ValueError("masking: need 0 < mask_prob < 1 and replace_prob + random_prob <= 1")
-    if c.tacl.temperature <= 0:
-        raise ValueError("tacl.temperature must be positive")
-    if c.tacl.teacher_param_dtype not in TEACHER_PARAM_DTYPES:
-        raise ValueError(f"config.tacl.teacher_param_dtype={c.tacl.teacher_param_dtype!r}: use one of "
-                         f"{TEACHER_PARAM_DTYPES}")
-    if c.analysis.enabled and (c.analysis.num_sentences < 1 or c.analysis.max_len < 3 or c.analysis.batch_size < 1):
-        raise ValueError("analysis: need num_sentences >= 1, max_len >= 3 and batch_size >= 1 "
-                         "(or analysis.enabled=False)")
+    if c.masking.replace_prob + c.masking.random_prob > 1:
+        raise ConfigError(f"config.masking: replace_prob + random_prob = {c.masking.replace_prob} + "
+                         f"{c.masking.random_prob} > 1 (they split the selected tokens; the rest stay)")
+    if sum(1 for a in ("data", "fsdp", "tensor") if c.mesh[a] == -1) > 1:
+        raise ConfigError(f"config.mesh={dict(c.mesh)}: at most one axis may be -1")
+
+
+# ----------------------------------------------------------------------------- unknown keys
+
+def _is_group(node) -> bool:
+    return isinstance(node, (ml_collections.ConfigDict, Mapping))
+
+
+def _leaf_paths(node, prefix: str = "") -> list[str]:
+    out = []
+    for key, value in node.items():
+        path = f"{prefix}{key}"
+        out += _leaf_paths(value, path + ".") if _is_group(value) else [path]
+    return out
+
+
+def _nearest(name: str, candidates) -> list[str]:
+    """Keys ``name`` was probably meant to be: spelling (difflib), initials ('lr' ->
+    'learning_rate', which difflib scores low) and prefixes ('warmup' -> 'warmup_steps')."""
+    candidates = list(candidates)
+    close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.6)
+    initials = [k for k in candidates if len(name) > 1 and "".join(w[:1] for w in k.split("_")) == name]
+    prefixed = [k for k in candidates if len(name) > 2 and k.startswith(name)]
+    return list(dict.fromkeys(close + initials + prefixed))[:3]
+
+
+def unknown_key(config: ml_collections.ConfigDict, path: str) -> str | None:
+    """None when ``path`` (``optim.learning_rate``) names a key of ``config``; else a one-line error
+    naming it, the nearest keys and the keys of its group, e.g. ``unknown config key optim.lr; did
+    you mean optim.learning_rate? (keys of optim: ...)``. Paths that index a sequence
+    (``a[0]``) are left to ml_collections."""
+    node, seen = config, []
+    for part in path.split("."):
+        if "[" in part:
+            return None
+        where = ".".join(seen)
+        if not _is_group(node):
+            return (f"unknown config key {path}: config.{where} is a value ({node!r}), not a group of keys; "
+                    f"override it with --config.{where}=...")
+        if part not in node:
+            near = [f"{where}.{k}" if where else k for k in _nearest(part, node.keys())]
+            # The same name elsewhere: --config.learning_rate -> optim.learning_rate.
+            near += [p for p in _leaf_paths(config) if p.rsplit(".", 1)[-1] == part]
+            near = list(dict.fromkeys(near))[:4]
+            hint = f"; did you mean {' or '.join(near)}?" if near else ""
+            return f"unknown config key {path}{hint} (keys of {where or 'config'}: {', '.join(node.keys())})"
+        node = node[part]
+        seen.append(part)
+    return None
+
+
+# ----------------------------------------------------------------------------- resuming
+
+REFUSE, WARN, IGNORE = "refuse", "warn", "ignore"
+# init.hf_path: a path may name the same model moved elsewhere (another VM, another mount), so only
+# set <-> unset (a pretrained <-> a random teacher) is refused; another path is warned.
+PATH = "path"
+
+# How a resumed run treats a change of each key, by key path or group prefix: the longest
+# matching prefix decides. tests/test_config.py checks that every key of default_config() is
+# matched. Reasons in resume_changes' docstring.
+RESUME_RULES: dict[str, str] = {
+    "objective": REFUSE,
+    "seed": REFUSE,
+    "nsp": REFUSE,
+    "masking": REFUSE,
+    "tacl": REFUSE,
+    "tacl.teacher_param_dtype": WARN,
+    "loss_weights": REFUSE,
+    "coco_lm": REFUSE,
+    "model": REFUSE,
+    "model.dtype": WARN,
+    "model.remat_policy": IGNORE,
+    "model.gather_last_layer": IGNORE,
+    "init.scratch": REFUSE,
+    "init.hf_path": PATH,
+    "init.tokenizer_path": WARN,
+    "init.from_scratch": IGNORE,
+    "init.params_from": IGNORE,
+    "optim": WARN,
+    "optim.fused": IGNORE,
+    "num_train_steps": WARN,
+    "global_batch_size": WARN,
+    "max_len": WARN,
+    "data": WARN,
+    "data.worker_count": IGNORE,
+    "data.read_threads": IGNORE,
+    "data.prefetch": IGNORE,
+    "grad_accum_steps": IGNORE,
+    "steps_per_run": IGNORE,
+    "log_every": IGNORE,
+    "eval_every": IGNORE,
+    "eval_at_end": IGNORE,
+    "eval_batches": IGNORE,
+    "hf_export_every": IGNORE,
+    "export_at_end": IGNORE,
+    "demo_fill_mask": IGNORE,
+    "profile_steps": IGNORE,
+    "mesh": IGNORE,
+    "mesh_devices": IGNORE,
+    "logical_axis_rules": IGNORE,
+    "distributed": IGNORE,
+    "checkpoint": IGNORE,
+    "metrics": IGNORE,
+    "analysis": IGNORE,
+}
+
+
+def resume_rule(path: str) -> str | None:
+    """The ``RESUME_RULES`` entry that decides ``path`` (longest prefix), or None."""
+    parts = path.split(".")
+    for n in range(len(parts), 0, -1):
+        rule = RESUME_RULES.get(".".join(parts[:n]))
+        if rule:
+            return rule
+    return None
+
+
+def _flat(tree: Mapping, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _same(a, b) -> bool:
+    """Equal after a JSON round trip: tuples are lists; 1 == 1.0 and 1e-4 == 0.0001 (numbers by
+    value), but True is not 1; nan equals nan."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    numbers = [isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b)]
+    if all(numbers):
+        return float(a) == float(b) or (math.isnan(float(a)) and math.isnan(float(b)))
+    if any(numbers) or isinstance(a, bool) != isinstance(b, bool):
+        return False
+    return a == b
+
+
+def resume_changes(saved: Mapping | None, config: ml_collections.ConfigDict) -> tuple[list[str], list[str]]:
+    """Compare the config a checkpoint was written with (``saved``: the JSON dict of
+    ``config.to_json_best_effort()``) with this run's. Returns ``(refused, warned)``, lines
+    ``key: old -> new`` in config order. Pure: no logging, no I/O.
+
+    Refused (the checkpoint's params and optimizer state belong to another training problem):
+      * ``objective``, ``nsp``, ``masking.*``, ``tacl.*``, ``loss_weights.*``, ``coco_lm.*``: the loss;
+      * ``model.*``: the architecture and its training-time behaviour (dropout rates and bits,
+        ``param_dtype``, ``vocab_multiple``: the params' shapes and dtypes, ``scan_layers``: their
+        tree, which Orbax would fail to restore with a raw error);
+      * ``init.scratch.*`` (the architecture when there is no ``hf_path``; not compared when both
+        configs have an ``hf_path``, whose model is then the architecture);
+      * ``init.hf_path`` set <-> unset: the teacher (rebuilt from it at every start) changes between a
+        pretrained and a random one;
+      * ``seed``: the masks, dropout and data order, and for a run without ``hf_path`` its random
+        teacher (the seed's init), which a resumed student would no longer share.
+    Warned (the run goes on; one line per key):
+      * ``optim.*``, ``num_train_steps``: the optimizer and the schedule (lr jumps where it resumes);
+      * ``global_batch_size``, ``max_len``, ``data.*`` that change the batches (source, packing,
+        shards, shuffle offset, ...): the data iterator also says so when it is restored;
+      * ``init.hf_path`` / ``init.tokenizer_path`` to another path (the same model moved?), and
+        ``model.dtype``, ``tacl.teacher_param_dtype``: compute and storage precision, same state.
+    Neither (how the run is executed or reported, not what it learns): ``grad_accum_steps`` (the
+    same weighted step), ``model.remat_policy``, ``model.gather_last_layer``, ``optim.fused`` (the
+    same math), ``init.from_scratch`` (a start-up guard), ``init.params_from`` (read only when the
+    workdir has no checkpoint), ``steps_per_run``, ``log_every``, ``eval_*``, ``hf_export_every``,
+    ``export_at_end``, ``demo_fill_mask``, ``profile_steps``, ``mesh*``, ``logical_axis_rules``,
+    ``distributed.*``, ``checkpoint.*``, ``metrics.*``, ``analysis.*``, ``data.worker_count`` /
+    ``read_threads`` / ``prefetch``.
+
+    Keys on one side only (a checkpoint of an older or newer version) are not compared, nor a key
+    that is a group on one side and a value on the other; a key no rule matches is warned. An empty
+    or None ``saved`` (a checkpoint without its config) compares nothing.
+    """
+    if not saved:
+        return [], []
+    old = _flat(saved)
+    new = _flat(json.loads(config.to_json_best_effort()))
+    both_pretrained = bool(old.get("init.hf_path")) and bool(new.get("init.hf_path"))
+    refused, warned = [], []
+    for path, b in new.items():
+        if path not in old or _same(old[path], b):
+            continue
+        a = old[path]
+        rule = resume_rule(path) or WARN
+        if path.startswith("init.scratch.") and both_pretrained:
+            rule = IGNORE
+        line = f"{path}: {json.dumps(a)} -> {json.dumps(b)}"
+        if rule == PATH:
+            rule = REFUSE if bool(a) != bool(b) else WARN
+            if rule == WARN:
+                line += " (the same model moved? it is read from the new path)"
+        if rule == REFUSE:
+            refused.append(line)
+        elif rule == WARN:
+            warned.append(line)
+    return refused, warned
+
+
+class ConfigChangedError(ConfigError):
+    """A resumed run's config changes what its checkpoint was trained for: ``refused`` are the
+    lines of ``resume_changes``, ``workdir`` the run's workdir (what ``init.params_from`` takes).
+    One message: every refused change, then the ways out."""
+
+    def __init__(self, refused: Sequence[str], workdir: str):
+        self.refused, self.workdir = list(refused), workdir
+        super().__init__(
+            f"{workdir} holds a checkpoint trained with another config, which a resumed run cannot "
+            f"change: {'; '.join(self.refused)}. Use a new --workdir, or a new --workdir with "
+            f"--config.init.params_from={workdir} to start from this run's params (optimizer state and "
+            "step start afresh), or rerun with the old values")

@@ -1,35 +1,43 @@
 """Export a training checkpoint as a Hugging Face folder.
 
-    python -m tacl_jax.convert to_hf --workdir=DIR [--step=N] --out=DIR [--head=mlm|none]
+    python -m tacl_jax.convert to_hf --workdir=DIR [--step=N] --out=DIR [--head=mlm|none] [--overwrite]
 
 ``--head=mlm`` (default) writes a ``BertForMaskedLM`` folder (``AutoModelForMaskedLM``);
 ``--head=none`` a ``BertModel`` folder (``AutoModel``; TaCL's release format). Safetensors only,
 vocabulary padding stripped, tokenizer files copied from the run's tokenizer folder. Runs on a
 CPU host for checkpoints trained on a pod: the sharded checkpoint is restored onto the local
 devices.
+
+``--out`` must be absent or an empty folder; an existing export (or any folder) is replaced whole
+only with ``--overwrite`` (never merged: old weights or tokenizer files beside new ones crash
+``transformers``). The folder appears complete or not at all (see ``hf.save``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 
 import jax
 import ml_collections
 from absl import app, flags
 
 from tacl_jax import checkpoint, hf, parallel
+from tacl_jax.errors import UserError
 from tacl_jax.train.optimizer import make_optimizer
 
 log = logging.getLogger(__name__)
 
 
-def export_checkpoint(workdir: str, out: str, step: int | None = None, head: str = "mlm") -> str:
-    """Restore ``workdir``'s checkpoint ``step`` (default: the latest) and write it to ``out``."""
-    from tacl_jax.train import setup  # the run's model and state builders, so shapes match exactly
-
+def export_checkpoint(workdir: str, out: str, step: int | None = None, head: str = "mlm",
+                      overwrite: bool | str = False) -> str:
+    """Restore ``workdir``'s checkpoint ``step`` (default: the latest) and write it to ``out``
+    (``overwrite`` as in ``hf.save``: an existing non-empty ``out`` is refused unless True)."""
     if head not in ("mlm", "none"):
         raise ValueError(f"--head={head!r}: use 'mlm' (BertForMaskedLM) or 'none' (BertModel)")
+    hf.check_out_dir(out, overwrite)  # before the restore: a refused --out should cost nothing
+    from tacl_jax.train import setup  # the run's model and state builders, so shapes match exactly
     ckpt_dir = checkpoint.checkpoint_dir(workdir)
     if not os.path.isdir(ckpt_dir) and "://" not in workdir:
         raise FileNotFoundError(f"{ckpt_dir} does not exist: is {workdir!r} a tacl_jax workdir?")
@@ -62,7 +70,7 @@ def export_checkpoint(workdir: str, out: str, step: int | None = None, head: str
             raise ValueError("a COCO-LM main model has no pooler: export it with --head=mlm")
     else:
         params = state.params
-    hf.save(model, params, out, head=head, tokenizer_from=tok)
+    hf.save(model, params, out, head=head, tokenizer_from=tok, overwrite=overwrite)
     log.info("wrote step %d of %s as a Hugging Face %s folder: %s", step, workdir,
              "BertForMaskedLM" if head == "mlm" else "BertModel", out)
     return out
@@ -70,12 +78,19 @@ def export_checkpoint(workdir: str, out: str, step: int | None = None, head: str
 
 def main(argv):
     if len(argv) != 2 or argv[1] != "to_hf":
-        raise app.UsageError("usage: python -m tacl_jax.convert to_hf --workdir=DIR --out=DIR [--step=N] [--head=mlm|none]")
+        raise app.UsageError("usage: python -m tacl_jax.convert to_hf --workdir=DIR --out=DIR [--step=N] "
+                             "[--head=mlm|none] [--overwrite]")
     if not FLAGS.workdir or not FLAGS.out:
         raise app.UsageError("--workdir and --out are required")
     logging.basicConfig(level=logging.INFO, force=True, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)
-    export_checkpoint(FLAGS.workdir, FLAGS.out, FLAGS.step, FLAGS.head)
+    try:
+        export_checkpoint(FLAGS.workdir, FLAGS.out, FLAGS.step, FLAGS.head, FLAGS.overwrite)
+    except (UserError, FileNotFoundError) as e:
+        # A taken or impossible --out, a wrong --workdir, a damaged checkpoint: the user's to fix,
+        # not a bug, so one line naming the path and the fix instead of a traceback.
+        print(f"tacl_jax.convert: error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 def _define_flags() -> None:
@@ -85,6 +100,8 @@ def _define_flags() -> None:
     flags.DEFINE_string("out", None, "Output folder.")
     flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
     flags.DEFINE_enum("head", "mlm", ["mlm", "none"], "mlm: BertForMaskedLM; none: BertModel.")
+    flags.DEFINE_bool("overwrite", False, "Replace an existing non-empty --out folder whole (it is "
+                      "deleted only once the new export is complete). Without it such a folder is refused.")
 
 
 FLAGS = flags.FLAGS

@@ -7,9 +7,13 @@ understood: full ``BertForPreTraining``/``BertForMaskedLM`` checkpoints (``bert.
 ``cls.*`` heads) and encoder-only ones (no prefix, no ``cls.*``, e.g. sentence encoders). Heads
 absent from the checkpoint are initialised, and a log line says which.
 
-``hf.save(model, params, out_dir, head="mlm" | "none")`` writes a folder that ``transformers``
-loads as ``BertForMaskedLM`` (``head="mlm"``) or ``BertModel`` (``head="none"``, TaCL's release
-format) with no missing or unexpected keys. It writes safetensors with numpy: no torch needed.
+``hf.save(model, params, out_dir, head="mlm" | "none", overwrite=False | True | "ours")`` writes a
+folder that ``transformers`` loads as ``BertForMaskedLM`` (``head="mlm"``) or ``BertModel``
+(``head="none"``, TaCL's release format) with no missing or unexpected keys. It writes safetensors
+with numpy: no torch needed. The folder is written whole beside ``out_dir`` and then renamed into
+place, so ``out_dir`` is never a half-written folder nor a mix of two models; an existing non-empty
+``out_dir`` is refused, replaced whole (``overwrite=True``), or replaced only when an earlier
+``save`` wrote it (``overwrite="ours"``: its marker file ``tacl_jax_export.json`` lists every file).
 
 Name mapping (HF, without the ``bert.`` prefix -> ours); a torch Linear weight ``[out, in]`` is the
 transpose of our kernel ``[in, out]``, reshaped for the attention heads::
@@ -33,10 +37,13 @@ layer N): ``load`` stacks the per-layer tensors into that layout (``bert.stack_l
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import shutil
+import socket
+import time
 from typing import Any, Mapping
 
 import flax.linen as nn
@@ -44,6 +51,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tacl_jax import __version__
+from tacl_jax.errors import UserError
 from tacl_jax.models import BertConfig, BertModel
 from tacl_jax.models.bert import SCAN_NAME, stack_layers, unstack_layers
 
@@ -54,17 +63,50 @@ _CONFIG_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention
                 "hidden_dropout_prob", "attention_probs_dropout_prob", "initializer_range",
                 "pad_token_id")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+# Written last into every export: it tells ``overwrite="ours"`` that tacl_jax wrote the folder
+# (and which files). transformers reads only the files it knows, so an extra JSON is harmless.
+EXPORT_MARKER = "tacl_jax_export.json"
+# Architecture fields of config.json and the types they must have (a hand-edited or damaged
+# config.json fails here with the key named, not later inside the model with a shape error).
+_INT_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+             "max_position_embeddings", "type_vocab_size")
+_FLOAT_KEYS = ("layer_norm_eps", "hidden_dropout_prob", "attention_probs_dropout_prob", "initializer_range")
 # Buffers and tied copies that carry no information of their own.
 _IGNORED = ("embeddings.position_ids", "cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
 
 
 # ----------------------------------------------------------------------------- reading
 
+class FolderError(UserError, ValueError):
+    """A Hugging Face folder that cannot be used as it is: damaged (truncated or garbage
+    config.json / weights), inconsistent (vocab_size vs. the embedding rows) or not a BERT. The
+    message names the file and what to do."""
+
+
+class FolderMissingError(UserError, FileNotFoundError):
+    """A Hugging Face folder, or a file it needs, that is not there."""
+
+
 def _check_folder(path: str) -> None:
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"Hugging Face checkpoint folder {path!r} does not exist; give a local "
+        raise FolderMissingError(f"Hugging Face checkpoint folder {path!r} does not exist; give a local "
                                 "folder with config.json and model.safetensors (download one with "
                                 "`huggingface-cli download bert-base-uncased --local-dir DIR`)")
+
+
+def _damaged(fn: str, what: str) -> str:
+    return (f"{fn} is damaged ({what}): re-download the folder, or re-export it if tacl_jax wrote it "
+            "(python -m tacl_jax.convert to_hf)")
+
+
+def _read_json(fn: str) -> Any:
+    """``fn`` parsed as JSON; a damaged file (truncated, garbage bytes) raises one line naming it."""
+    with open(fn, "rb") as f:
+        raw = f.read()
+    try:
+        return json.loads(raw)
+    except ValueError as e:  # JSONDecodeError, and UnicodeDecodeError for binary garbage
+        raise FolderError(_damaged(fn, f"not valid JSON: {e}")) from None
 
 
 def read_config(path: str) -> BertConfig:
@@ -72,46 +114,79 @@ def read_config(path: str) -> BertConfig:
     _check_folder(path)
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
-        raise FileNotFoundError(f"{cfg_file} not found: a Hugging Face BERT folder needs config.json "
+        raise FolderMissingError(f"{cfg_file} not found: a Hugging Face BERT folder needs config.json "
                                 "(save one with transformers' save_pretrained)")
-    with open(cfg_file) as f:
-        raw = json.load(f)
+    raw = _read_json(cfg_file)
+    if not isinstance(raw, dict):
+        raise FolderError(_damaged(cfg_file, f"a JSON {type(raw).__name__}, not an object of settings"))
     if raw.get("model_type", "bert") != "bert":
-        raise ValueError(f"{cfg_file}: model_type {raw.get('model_type')!r} is not 'bert'; "
+        raise FolderError(f"{cfg_file}: model_type {raw.get('model_type')!r} is not 'bert'; "
                          "tacl_jax implements the BERT architecture only")
     if raw.get("hidden_act", "gelu") != "gelu":
-        raise ValueError(f"{cfg_file}: hidden_act {raw['hidden_act']!r} is not supported; "
+        raise FolderError(f"{cfg_file}: hidden_act {raw['hidden_act']!r} is not supported; "
                          "tacl_jax's BERT uses the exact erf GELU ('gelu')")
     if raw.get("position_embedding_type", "absolute") != "absolute":
-        raise ValueError(f"{cfg_file}: only absolute position embeddings are supported")
+        raise FolderError(f"{cfg_file}: only absolute position embeddings are supported")
+    for k in _INT_KEYS:  # bool is an int in Python but never a size
+        if k in raw and (isinstance(raw[k], bool) or not isinstance(raw[k], int) or raw[k] < 1):
+            raise FolderError(f"{cfg_file}: {k} is {raw[k]!r}, expected a positive integer")
+    for k in _FLOAT_KEYS:
+        if k in raw and (isinstance(raw[k], bool) or not isinstance(raw[k], (int, float))):
+            raise FolderError(f"{cfg_file}: {k} is {raw[k]!r}, expected a number")
     return BertConfig(**{k: raw[k] for k in _CONFIG_KEYS if k in raw})
 
 
+def _load_safetensors(fn: str) -> dict[str, np.ndarray]:
+    """One safetensors file -> its tensors; a damaged file raises one line naming it."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    if not os.path.isfile(fn):
+        raise FolderMissingError(f"{fn} is missing: model.safetensors.index.json lists it; re-download "
+                                "the folder")
+    try:
+        return load_file(fn)
+    except SafetensorError as e:
+        # The header is validated against the file's length on load, so a truncated download or
+        # an overwritten file shows up here (e.g. "incomplete metadata, file not fully covered").
+        raise FolderError(_damaged(fn, f"not a readable safetensors file: {e}")) from None
+
+
 def read_state_dict(path: str) -> dict[str, np.ndarray]:
-    """All tensors of a HF folder as float32 numpy arrays, keyed by their HF names."""
+    """All tensors of a HF folder as float32 numpy arrays, keyed by their HF names.
+
+    A damaged weights file or index (truncated, garbage) raises ``ValueError`` naming it; no
+    weights at all raise ``FileNotFoundError``."""
     st, st_index, pt = (os.path.join(path, n) for n in
                         ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"))
     if os.path.isfile(st) or os.path.isfile(st_index):
-        from safetensors.numpy import load_file
         if os.path.isfile(st):
             files = [st]
         else:
-            with open(st_index) as f:
-                files = sorted({os.path.join(path, v) for v in json.load(f)["weight_map"].values()})
+            index = _read_json(st_index)
+            if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+                raise FolderError(_damaged(st_index, "no weight_map object"))
+            files = sorted({os.path.join(path, v) for v in index["weight_map"].values()})
         tensors = {}
         for fn in files:
-            tensors.update(load_file(fn))
+            tensors.update(_load_safetensors(fn))
     elif os.path.isfile(pt):
         try:
             import torch
         except ImportError as e:
             raise ImportError(f"{pt} is a PyTorch pickle and reading it needs torch; install torch or "
                               "convert the folder to model.safetensors") from e
-        # weights_only=True: a checkpoint can never execute code while being read.
-        sd = torch.load(pt, map_location="cpu", weights_only=True)
+        try:
+            # weights_only=True: a checkpoint can never execute code while being read.
+            sd = torch.load(pt, map_location="cpu", weights_only=True)
+        except Exception as e:  # torch raises RuntimeError (bad zip), UnpicklingError, EOFError, ...
+            first = (str(e).strip().splitlines() or [""])[0]  # torch's messages run to many lines
+            raise FolderError(f"{pt} cannot be read ({type(e).__name__}: {first}): it is damaged "
+                             "(re-download it) or holds more than tensors, which weights_only loading "
+                             "refuses so that a checkpoint never runs code") from None
         tensors = {k: v.float().numpy() for k, v in sd.items()}
     else:
-        raise FileNotFoundError(f"no weights in {path}: expected model.safetensors, "
+        raise FolderMissingError(f"no weights in {path}: expected model.safetensors, "
                                 "model.safetensors.index.json or pytorch_model.bin")
     out = {}
     for k, v in tensors.items():
@@ -137,21 +212,43 @@ def _norm(sd, name):
 
 
 def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
+    """``x [V, ...]`` -> ``[rows, ...]`` with zero rows appended: the vocabulary padding to
+    ``padded_vocab_size`` (a multiple of ``vocab_multiple`` for the MXU/tensor cores). The padded
+    rows are masked out of the logits and stripped again by ``save``, so their zeros never matter."""
     return np.concatenate([x, np.zeros((rows - x.shape[0],) + x.shape[1:], x.dtype)]) if rows > x.shape[0] else x
 
 
-def state_dict_to_params(sd: Mapping[str, np.ndarray], cfg: BertConfig) -> tuple[dict, list[str]]:
+def _check_vocab_rows(x: np.ndarray, name: str, cfg: BertConfig, source: str) -> None:
+    """Refuse a checkpoint whose vocabulary tensor ``x [V_ckpt, ...]`` does not have exactly
+    ``cfg.vocab_size`` rows. Padding it with zeros would give every added token a zero embedding
+    (and, in TaCL, a frozen teacher that keeps it zero), silently; transformers refuses such a
+    folder too (size mismatch). Fewer config rows would drop trained rows, also silently."""
+    if x.shape[0] != cfg.vocab_size:
+        raise FolderError(
+            f"{source}: {name} has {x.shape[0]} rows but the config's vocab_size is {cfg.vocab_size}; "
+            "the checkpoint and config.json disagree. To add tokens, resize in transformers "
+            "(model.resize_token_embeddings(N), which initialises the new rows) and save_pretrained; "
+            "otherwise correct vocab_size in config.json")
+
+
+def state_dict_to_params(sd: Mapping[str, np.ndarray], cfg: BertConfig,
+                         source: str = "the checkpoint") -> tuple[dict, list[str]]:
     """HF tensors -> our (numpy) parameter tree, in the scanned layout when ``cfg.scan_layers``.
     Returns ``(params, missing_parts)`` where ``missing_parts`` names the heads the checkpoint does
-    not have (``pooler``, ``mlm``, ``nsp``)."""
+    not have (``pooler``, ``mlm``, ``nsp``). The vocabulary tensors (word embeddings ``[V, H]``,
+    MLM bias ``[V]``) must have ``V = cfg.vocab_size`` rows; they are zero-padded to
+    ``[cfg.padded_vocab_size, ...]``. ``source`` names the checkpoint in error messages."""
     sd = dict(sd)
     prefix = "bert." if any(k.startswith("bert.") for k in sd) else ""
     if prefix + "embeddings.word_embeddings.weight" not in sd:
-        raise ValueError("not a BERT checkpoint: no embeddings.word_embeddings.weight "
+        raise FolderError(f"{source} is not a BERT checkpoint: no embeddings.word_embeddings.weight "
                          f"(found e.g. {sorted(sd)[:5]})")
     for k in list(sd):  # strip the prefix from the encoder tensors; heads keep their names
         if k.startswith(prefix + "embeddings.") or k.startswith(prefix + "encoder.") or k.startswith(prefix + "pooler."):
             sd[k[len(prefix):]] = sd.pop(k)
+    _check_vocab_rows(sd["embeddings.word_embeddings.weight"], "embeddings.word_embeddings.weight", cfg, source)
+    if "cls.predictions.bias" in sd:
+        _check_vocab_rows(sd["cls.predictions.bias"], "cls.predictions.bias", cfg, source)
     nh, hd, h = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
     emb = {
         "word_embeddings": {"embedding": _pad_rows(sd.pop("embeddings.word_embeddings.weight"),
@@ -161,7 +258,9 @@ def state_dict_to_params(sd: Mapping[str, np.ndarray], cfg: BertConfig) -> tuple
         "LayerNorm": _norm(sd, "embeddings.LayerNorm"),
     }
     if emb["word_embeddings"]["embedding"].shape[1] != h:
-        raise ValueError("word embedding width does not match config.json hidden_size")
+        raise FolderError(f"{source}: embeddings.word_embeddings.weight is "
+                          f"{emb['word_embeddings']['embedding'].shape[1]} wide but config.json says "
+                          f"hidden_size {h}")
     enc = {}
     for i in range(cfg.num_hidden_layers):
         p = f"encoder.layer.{i}."
@@ -179,7 +278,7 @@ def state_dict_to_params(sd: Mapping[str, np.ndarray], cfg: BertConfig) -> tuple
                 "output_norm": _norm(sd, p + "output.LayerNorm"),
             }
         except KeyError as e:
-            raise ValueError(f"checkpoint is missing {e.args[0]} although config.json says "
+            raise FolderError(f"{source} is missing {e.args[0]} although config.json says "
                              f"{cfg.num_hidden_layers} layers") from None
     params: dict[str, Any] = {"embeddings": emb, "encoder": enc}
     if cfg.scan_layers:
@@ -213,9 +312,22 @@ def load(path: str, *, seed: int = 0, **overrides) -> tuple[BertModel, dict]:
     ``hidden_dropout_prob=0.0``). Heads requested but absent from the checkpoint are initialised
     from ``seed`` (BERT's N(0, 0.02) init), with a log line. Params are numpy float32 (host memory);
     ``tacl_jax.parallel`` places them on the mesh.
+
+    ``vocab_size`` is the checkpoint's: an override that differs from config.json, or a
+    config.json that disagrees with the embedding rows, raises ``ValueError`` (zero rows for new
+    tokens would train silently). A damaged config.json or weights file raises ``ValueError``
+    naming the file.
     """
-    cfg = read_config(path).replace(**overrides)
-    params, missing = state_dict_to_params(read_state_dict(path), cfg)
+    base = read_config(path)
+    if overrides.get("vocab_size", base.vocab_size) != base.vocab_size:
+        # Another vocabulary size would zero-pad (or cut) the checkpoint's embedding rows; say so
+        # here, where the caller's own argument is the cause.
+        raise FolderError(f"hf.load({path!r}, vocab_size={overrides['vocab_size']}): its config.json "
+                         f"says vocab_size {base.vocab_size}, and a vocabulary cannot be resized on load; to add "
+                         "tokens, resize in transformers (model.resize_token_embeddings(N), which "
+                         "initialises the new rows) and save_pretrained")
+    cfg = base.replace(**overrides)
+    params, missing = state_dict_to_params(read_state_dict(path), cfg, source=path)
     wanted = {"pooler": cfg.with_pooler or cfg.with_nsp_head, "mlm": cfg.with_mlm_head, "nsp": cfg.with_nsp_head}
     to_init = [m for m in missing if wanted[m]]
     if to_init:
@@ -261,7 +373,7 @@ def params_to_state_dict(params: Mapping, cfg: BertConfig, head: str = "mlm") ->
                          f"scan_layers={cfg.scan_layers}; pass the model these params belong to")
     if scanned:
         p = unstack_layers(p)
-    v, h = cfg.vocab_size, cfg.hidden_size
+    v = cfg.vocab_size
     pre = "bert." if head == "mlm" else ""
     sd: dict[str, np.ndarray] = {}
 
@@ -309,32 +421,203 @@ def hf_config_dict(cfg: BertConfig, head: str) -> dict:
     return out
 
 
+class ExportDirError(UserError, OSError):
+    """An export's ``out_dir`` that ``save`` may not (re)place: a file, a path under a file, a
+    remote path, or a non-empty folder that ``overwrite`` does not allow replacing. The message is
+    one line naming the path and the fix."""
+
+
+def _check_overwrite(overwrite: bool | str) -> None:
+    # `1 == True`: compare by type, so that only the three documented values pass.
+    if not (isinstance(overwrite, bool) or overwrite == "ours"):
+        raise ValueError(f"overwrite={overwrite!r}: use False (refuse a non-empty folder), True (replace "
+                         "it whole) or 'ours' (replace it only if tacl_jax wrote it)")
+
+
+def _not_ours(out_dir: str, entries: list[str]) -> str | None:
+    """Why the folder ``out_dir`` (holding ``entries``) is not an export ``save`` wrote, or None
+    when it is: its marker lists every other file in it, so nothing a user added is lost."""
+    if EXPORT_MARKER not in entries:
+        return f"no {EXPORT_MARKER}"
+    try:
+        with open(os.path.join(out_dir, EXPORT_MARKER), "rb") as f:
+            written = set(json.loads(f.read())["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"its {EXPORT_MARKER} is unreadable"
+    extra = sorted(set(entries) - written - {EXPORT_MARKER})
+    if extra:
+        return f"it holds files tacl_jax did not write: {', '.join(extra[:5])}{', ...' if len(extra) > 5 else ''}"
+    return None
+
+
+def check_out_dir(out_dir: str, overwrite: bool | str = False) -> None:
+    """Raise ``ExportDirError`` unless ``save(..., out_dir, overwrite=overwrite)`` may write there.
+
+    Allowed: ``out_dir`` absent (its parents are created) or an empty folder; any folder with
+    ``overwrite=True``; with ``overwrite="ours"``, a folder an earlier ``save`` wrote (its
+    ``tacl_jax_export.json`` lists every file in it). Never allowed: a file, or a path under a file.
+    Writes nothing, so a command can call it before hours of work (``save`` checks again)."""
+    _check_overwrite(overwrite)
+    if "://" in out_dir:
+        # os.makedirs would create a local folder named "gs:": write locally, then copy (the
+        # training loop stages its exports that way).
+        raise ExportDirError(f"{out_dir}: hf.save writes local folders only; export to a local folder "
+                             "and copy it (e.g. gcloud storage cp -r)")
+    target = os.path.realpath(out_dir)  # a symlink to a folder: replace the folder it names
+    if os.path.lexists(target) and not os.path.isdir(target):
+        raise ExportDirError(f"{out_dir} exists and is a file, not a folder: give an export folder path "
+                             "(absent, empty, or an export to replace)")
+    up = os.path.dirname(target)
+    while not os.path.lexists(up):
+        up = os.path.dirname(up)
+    if not os.path.isdir(up):
+        raise ExportDirError(f"cannot create {out_dir}: {up} is a file, not a folder; move it away or "
+                             "export elsewhere")
+    if not os.path.isdir(target):
+        return
+    entries = sorted(os.listdir(target))
+    if not entries or overwrite is True:
+        return
+    if overwrite == "ours":
+        why = _not_ours(target, entries)
+        if why is None:
+            return
+        raise ExportDirError(f"{out_dir} is not a tacl_jax export ({why}) and is left as it is: move it "
+                             "away, or export elsewhere")
+    shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+    raise ExportDirError(f"{out_dir} already exists and is not empty ({shown}): refusing to write a model "
+                         "into it; pass --overwrite (overwrite=True) to replace the folder whole, or "
+                         "choose another --out")
+
+
+def _umask() -> int:
+    """This process's umask. Linux reports it in /proc; elsewhere it can only be read by setting
+    it (briefly, which another thread creating a file at that instant would see)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _fsync(path: str) -> None:
+    """Flush a file's data, or a folder's entries (renames), to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        # Some network and FUSE filesystems cannot sync a folder (EINVAL): nothing more to do there.
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _remove_stale_tmp(parent: str, name: str) -> None:
+    """Delete the temporary folders of earlier saves to ``parent/name`` from this host whose
+    process is gone (killed while writing): each holds up to a whole model. A save still running
+    (its pid alive) or from another host sharing the filesystem is left alone."""
+    prefix = f".{name}.tmp-{socket.gethostname()}-"
+    for entry in os.listdir(parent):
+        pid = entry[len(prefix):]
+        if entry.startswith(prefix) and pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
+            log.info("removing %s, left by an export that did not finish", os.path.join(parent, entry))
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+
+
 def save(model: BertModel, params: Mapping, out_dir: str, head: str = "mlm",
-         tokenizer_from: str | None = None) -> str:
-    """Write ``params`` as a Hugging Face folder (config.json + model.safetensors [+ tokenizer]).
+         tokenizer_from: str | None = None, overwrite: bool | str = False) -> str:
+    """Write ``params`` as a Hugging Face folder: config.json, model.safetensors, the tokenizer
+    files of ``tokenizer_from`` (if given) and ``tacl_jax_export.json`` (version, time, head and
+    the list of files; transformers ignores it).
+
+    The folder is written whole as a hidden sibling ``.{name}.tmp-{host}-{pid}`` and renamed into
+    place, so ``out_dir`` never holds a half-written export or a mix of two models (such a sibling
+    left by a killed save on this host is deleted by the next save). An existing
+    non-empty ``out_dir`` is handled by ``overwrite``: ``False`` refuses it, ``True`` replaces it
+    whole, ``"ours"`` replaces it only if ``save`` wrote it (its marker lists every file in it; the
+    training loop's exports) and refuses any other folder. Refusals raise ``ExportDirError`` (see
+    ``check_out_dir``) before anything is written; a replaced folder is deleted only after the new
+    one is in place. Files get the modes of normal files (0666 less the umask). Local paths only.
 
     Safe to call from every process of a multi-host run: all take part in gathering sharded
-    params, only process 0 writes. Returns ``out_dir``.
+    params, only process 0 checks and writes. Returns ``out_dir``.
     """
     from safetensors.numpy import save_file
 
+    _check_overwrite(overwrite)  # before the gather: the same on every process, so none waits alone
     cfg = model.config
     sd = params_to_state_dict(params, cfg, head)
     if jax.process_index() != 0:
         return out_dir
-    os.makedirs(out_dir, exist_ok=True)
-    # Write under temporary names, then rename: a reader never sees a half-written file.
-    tmp = os.path.join(out_dir, "model.safetensors.tmp")
-    save_file(sd, tmp, metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf_config_dict(cfg, head), f, indent=2, sort_keys=True)
+    check_out_dir(out_dir, overwrite)
+    tok_files = []
     if tokenizer_from:
-        copied = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(tokenizer_from, n))]
-        if not copied:
+        tok_files = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(tokenizer_from, n))]
+        if not tok_files:
             raise FileNotFoundError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {tokenizer_from}")
-        for n in copied:
-            shutil.copyfile(os.path.join(tokenizer_from, n), os.path.join(out_dir, n))
+    target = os.path.realpath(out_dir)
+    parent, name = os.path.split(target)
+    os.makedirs(parent, exist_ok=True)
+    _remove_stale_tmp(parent, name)
+    # A sibling, not a system temp folder: the final rename must stay on one filesystem. The host
+    # in the name tells whose process it is when several hosts share the filesystem.
+    tmp = os.path.join(parent, f".{name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    old = os.path.join(parent, f".{name}.old-{socket.gethostname()}-{os.getpid()}")
+    os.mkdir(tmp)  # not tempfile.mkdtemp: that folder would be 0700, and it becomes the export
+    try:
+        save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf_config_dict(cfg, head), f, indent=2, sort_keys=True)
+        for n in tok_files:
+            shutil.copyfile(os.path.join(tokenizer_from, n), os.path.join(tmp, n))
+        files = sorted(os.listdir(tmp))
+        with open(os.path.join(tmp, EXPORT_MARKER), "w") as f:
+            json.dump({"written_by": "tacl_jax.hf.save", "tacl_jax": __version__,
+                       "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "head": head,
+                       "architecture": "BertForMaskedLM" if head == "mlm" else "BertModel",
+                       "files": files,
+                       "note": "a later tacl_jax export with overwrite='ours' may replace this folder "
+                               "while it holds only these files"}, f, indent=2)
+        # safetensors creates its file 0600 (unlike open()); exports are meant to be shared.
+        mode = 0o666 & ~_umask()
+        for n in files + [EXPORT_MARKER]:
+            os.chmod(os.path.join(tmp, n), mode)
+            _fsync(os.path.join(tmp, n))  # complete on disk before the rename makes it visible
+        check_out_dir(out_dir, overwrite)  # again: the folder may have appeared while we wrote
+        if os.path.isdir(target):
+            # rename() cannot replace a non-empty folder: move the old one aside first. Between
+            # the two renames out_dir is briefly absent, never partial.
+            if os.path.lexists(old):
+                shutil.rmtree(old)
+            os.rename(target, old)
+            try:
+                os.rename(tmp, target)
+            except BaseException:
+                os.rename(old, target)
+                raise
+        else:
+            os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync(parent)  # the renames themselves survive a crash
+    shutil.rmtree(old, ignore_errors=True)
     return out_dir
 
 

@@ -121,13 +121,120 @@ def _int(value) -> int | None:
         return None
 
 
+def local_device_ids_decision(env: Mapping[str, str], explicit: Sequence[int] = ()
+                              ) -> tuple[tuple[int, ...] | None, str]:
+    """The GPUs this process drives (``local_device_ids`` for ``jax.distributed.initialize``), and
+    why: a pure function of ``config.distributed.local_device_ids`` (``explicit``) and the
+    environment. None leaves the choice to JAX.
+
+    Why not JAX's own choice: inside a SLURM task JAX takes ``[SLURM_LOCALID]``
+    (``jax/_src/clusters``), which is right only when every task of a node sees all of the node's
+    GPUs and drives one. With one task per node it drives GPU 0 alone; with ``--gpus-per-task=1``
+    the task sees a single GPU, numbered 0 in its process, and GPU ``SLURM_LOCALID`` does not exist.
+
+    * an explicit list wins; then ``JAX_LOCAL_DEVICE_IDS`` (JAX reads it itself): None;
+    * outside a SLURM task (no ``SLURM_JOB_ID`` / ``SLURM_LOCALID``: TPU VMs, one GPU host): None;
+    * the GPUs this process sees: ``CUDA_VISIBLE_DEVICES`` with N entries is GPUs 0..N-1 (CUDA
+      renumbers them from 0 in the process, whatever the physical ids); without it
+      ``SLURM_STEP_GPUS`` / ``SLURM_JOB_GPUS`` (the node's ids, which the process then sees as
+      they are), else ``SLURM_GPUS_ON_NODE`` = N (0..N-1); none of these: None (no GPUs known);
+    * the tasks on this node: ``SLURM_STEP_TASKS_PER_NODE`` (e.g. ``8(x2)``, indexed by
+      ``SLURM_NODEID``), else ``SLURM_NTASKS_PER_NODE``, else ``SLURM_TASKS_PER_NODE``;
+    * one task on the node, a task that sees one GPU, or as many as ``SLURM_GPUS_PER_TASK``, or
+      fewer GPUs than the node has tasks (SLURM bound them to it): all the GPUs it sees; several
+      tasks sharing the node's GPUs: an equal block each, task ``SLURM_LOCALID`` the
+      ``SLURM_LOCALID``-th (8 GPUs, 8 tasks: GPU ``SLURM_LOCALID``); a share that does not divide
+      evenly is a ValueError that says how to fix it.
+    """
+    if explicit:
+        return tuple(int(i) for i in explicit), "config.distributed.local_device_ids"
+    if env.get("JAX_LOCAL_DEVICE_IDS", "").strip():
+        return None, f"JAX_LOCAL_DEVICE_IDS={env['JAX_LOCAL_DEVICE_IDS']} (read by JAX)"
+    local_id = _int(env.get("SLURM_LOCALID"))
+    if "SLURM_JOB_ID" not in env or local_id is None:
+        return None, "not an srun task (no SLURM_JOB_ID and SLURM_LOCALID): JAX's default"
+    visible, source = _visible_gpus(env)
+    if not visible:
+        return None, f"no GPUs listed for this SLURM task ({source}): JAX's default"
+    tasks, tasks_source = _slurm_tasks_on_node(env)
+    n = len(visible)
+    gpus = f"{n} GPU{'s' if n > 1 else ''} ({source})"
+    if tasks == 1:
+        return visible, f"one task on this node ({tasks_source}): all of its {gpus}"
+    if n == 1:
+        return visible, f"task {local_id} sees one GPU, bound to it by SLURM ({source})"
+    per_task = _int(env.get("SLURM_GPUS_PER_TASK", "").rpartition(":")[2])
+    if per_task == n:
+        return visible, f"task {local_id} sees its {gpus}, bound to it by SLURM_GPUS_PER_TASK={per_task}"
+    if tasks is None:
+        return None, f"{gpus} and an unknown number of tasks on this node: JAX's default [SLURM_LOCALID]"
+    if n < tasks:
+        return visible, f"task {local_id} sees {gpus}, fewer than the node's {tasks} tasks: bound to it by SLURM"
+    if not 0 <= local_id < tasks:
+        raise ValueError(f"SLURM_LOCALID={local_id} is not one of the {tasks} tasks on this node "
+                         f"({tasks_source}); set config.distributed.local_device_ids")
+    if n % tasks:
+        raise ValueError(
+            f"SLURM task {local_id} of {tasks} on this node ({tasks_source}) shares {gpus}: they do not "
+            f"split evenly between the tasks. Bind GPUs to tasks (srun --gpus-per-task=N), run a "
+            f"multiple of the GPU count per node, or set config.distributed.local_device_ids")
+    k = n // tasks
+    ids = visible[local_id * k:(local_id + 1) * k]
+    return ids, (f"task {local_id} of {tasks} on this node ({tasks_source}) takes GPU"
+                 f"{'s' if k > 1 else ''} {','.join(map(str, ids))} of the {gpus} they share")
+
+
+def _visible_gpus(env: Mapping[str, str]) -> tuple[tuple[int, ...], str]:
+    """The GPU ordinals this process sees, and the variable that says so (see
+    :func:`local_device_ids_decision`); () when no variable lists any."""
+    if "CUDA_VISIBLE_DEVICES" in env:
+        value = env["CUDA_VISIBLE_DEVICES"]
+        # SLURM writes NoDevFiles for a task without GPUs; CUDA ignores the entries from a
+        # negative one on (-1 hides every GPU).
+        n = 0
+        for entry in value.split(",") if value.strip() != "NoDevFiles" else ():
+            if not entry.strip() or entry.strip().startswith("-"):
+                break
+            n += 1
+        return tuple(range(n)), f"CUDA_VISIBLE_DEVICES={value}"
+    for var in ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS"):
+        ids = [_int(e) for e in env.get(var, "").split(",") if e.strip()]
+        if ids and None not in ids:
+            return tuple(ids), f"{var}={env[var]}"
+    n = _int(env.get("SLURM_GPUS_ON_NODE"))
+    if n:
+        return tuple(range(n)), f"SLURM_GPUS_ON_NODE={n}"
+    return (), "no CUDA_VISIBLE_DEVICES, SLURM_STEP_GPUS, SLURM_JOB_GPUS or SLURM_GPUS_ON_NODE"
+
+
+def _slurm_tasks_on_node(env: Mapping[str, str]) -> tuple[int | None, str]:
+    """Tasks of this SLURM step on this node, and the variable that says so; None if unknown.
+    SLURM writes per-node counts compressed: ``8(x2),4`` is 8, 8, 4 for nodes 0, 1, 2."""
+    node = _int(env.get("SLURM_NODEID"))
+    for var in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        counts = []
+        for part in env.get(var, "").split(","):
+            m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+            if not m:
+                counts = []
+                break
+            counts += [int(m[1])] * int(m[2] or 1)
+        if len(set(counts)) == 1:
+            return counts[0], f"{var}={env[var]}"
+        if counts and node is not None and 0 <= node < len(counts):
+            return counts[node], f"{var}={env[var]}, node {node}"
+    return None, "no SLURM_STEP_TASKS_PER_NODE, SLURM_NTASKS_PER_NODE or SLURM_TASKS_PER_NODE"
+
+
 def maybe_initialize_distributed(cfg) -> None:
     """Start JAX's multi-host runtime when this is one process of many (see
     :func:`distributed_decision`); once per process.
 
     ``cfg`` is ``config.distributed``: ``initialize`` (``'auto'`` | ``'always'`` | ``'never'``),
     ``coordinator_address`` (``host:port``), ``num_processes``, ``process_id``,
-    ``local_device_ids``; the last three are used only with an address.
+    ``local_device_ids``. ``num_processes`` and ``process_id`` are used only with an address;
+    the GPUs this process drives come from :func:`local_device_ids_decision` (an explicit
+    ``local_device_ids`` first, else the SLURM environment) in both cases.
     """
     global _DECIDED
     if _DECIDED or _distributed_is_initialized():
@@ -143,8 +250,11 @@ def maybe_initialize_distributed(cfg) -> None:
     if cfg.get("coordinator_address"):
         kwargs = dict(coordinator_address=cfg.coordinator_address, num_processes=int(cfg.num_processes),
                       process_id=int(cfg.process_id))
-        if cfg.get("local_device_ids"):
-            kwargs["local_device_ids"] = list(cfg.local_device_ids)
+    device_ids, device_reason = local_device_ids_decision(os.environ, cfg.get("local_device_ids") or ())
+    if device_ids is not None:
+        kwargs["local_device_ids"] = list(device_ids)
+    log.info("jax.distributed local devices: %s (%s)",
+             list(device_ids) if device_ids is not None else "JAX's choice", device_reason)
     # Cross-process collectives on CPU devices (tests, CPU clusters) go through gloo; TPU and GPU
     # backends ignore this setting.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

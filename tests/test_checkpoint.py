@@ -159,7 +159,7 @@ def test_convert_cli_exports_a_checkpoint_transformers_loads(tmp_path):
     out = subprocess.run([sys.executable, "-m", "tacl_jax.convert", "to_hf", f"--workdir={tmp_path / 'run'}",
                           f"--out={tmp_path / 'hf'}"], env=_env(), capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors", "tacl_jax_export.json"]
     pt, info = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     ids = np.array([[2, 10, 11, 12, 3, 0]])

@@ -64,15 +64,84 @@ def test_explicit_settings_win_and_metadata_is_asked_last():
         decide({}, mode="sometimes")
 
 
-@pytest.mark.parametrize("env,calls", [
-    ({}, []),
-    ({"TPU_WORKER_HOSTNAMES": "w-0,w-1"}, [{}]),
-    ({"SLURM_JOB_ID": "5", "SLURM_NTASKS": "2"}, [{}]),
+# A SLURM task of a 2-node job, as srun sets it up (the tests add the GPU and per-node variables).
+SLURM_TASK = {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "16", "SLURM_PROCID": "11", "SLURM_NODEID": "1",
+              "SLURM_STEP_NODELIST": "gpu[01-02]"}
+
+
+def slurm_task(tasks_per_node, local_id, **gpu_env):
+    return {**SLURM_TASK, "SLURM_STEP_TASKS_PER_NODE": tasks_per_node, "SLURM_LOCALID": str(local_id), **gpu_env}
+
+
+@pytest.mark.parametrize("env,expected,reason", [
+    # One task per node driving the node's 8 GPUs (JAX alone would take [SLURM_LOCALID] = [0]).
+    (slurm_task("1(x2)", 0, CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7"), (0, 1, 2, 3, 4, 5, 6, 7), "one task on this node"),
+    (slurm_task("1(x2)", 0, CUDA_VISIBLE_DEVICES="4,5,6,7"), (0, 1, 2, 3), "all of its 4 GPUs"),  # renumbered
+    # 8 tasks per node, --gpus-per-task=1: each task sees one GPU, numbered 0 in its process.
+    (slurm_task("8(x2)", 3, CUDA_VISIBLE_DEVICES="3", SLURM_GPUS_PER_TASK="1"), (0,), "sees one GPU"),
+    (slurm_task("8(x2)", 7, CUDA_VISIBLE_DEVICES="7"), (0,), "sees one GPU"),
+    # --gpus-per-task=2 with 4 tasks per node: each sees its own two.
+    (slurm_task("4(x2)", 1, CUDA_VISIBLE_DEVICES="2,3", SLURM_GPUS_PER_TASK="h100:2"), (0, 1), "SLURM_GPUS_PER_TASK=2"),
+    (slurm_task("4(x2)", 3, CUDA_VISIBLE_DEVICES="6,7"), (0, 1), "fewer than the node's 4 tasks"),
+    # 8 tasks per node, no binding: all see the 8 GPUs, task SLURM_LOCALID takes GPU SLURM_LOCALID.
+    (slurm_task("8(x2)", 3, CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7"), (3,), "task 3 of 8"),
+    ({**SLURM_TASK, "SLURM_NTASKS_PER_NODE": "8", "SLURM_LOCALID": "5", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"},
+     (5,), "SLURM_NTASKS_PER_NODE=8"),
+    # 2 tasks per node sharing 8 GPUs: 4 each.
+    (slurm_task("2(x2)", 1, CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7"), (4, 5, 6, 7), "takes GPUs 4,5,6,7"),
+    # Uneven nodes ("8,4"): this is node 1, with 4 tasks.
+    (slurm_task("8,4", 2, CUDA_VISIBLE_DEVICES="0,1,2,3"), (2,), "SLURM_STEP_TASKS_PER_NODE=8,4, node 1"),
+    # Without CUDA_VISIBLE_DEVICES: SLURM's node-local ids as they are, or a count.
+    (slurm_task("1", 0, SLURM_STEP_GPUS="4,5", SLURM_JOB_GPUS="0,1,2,3,4,5"), (4, 5), "SLURM_STEP_GPUS=4,5"),
+    (slurm_task("1", 0, SLURM_JOB_GPUS="0,1"), (0, 1), "SLURM_JOB_GPUS"),
+    (slurm_task("8", 6, SLURM_GPUS_ON_NODE="8"), (6,), "SLURM_GPUS_ON_NODE=8"),
+    # No GPUs known (a CPU cluster), a GPU-less task, a step of unknown shape: JAX decides.
+    (slurm_task("8(x2)", 3), None, "no GPUs listed"),
+    (slurm_task("1", 0, CUDA_VISIBLE_DEVICES="NoDevFiles"), None, "no GPUs listed"),
+    (slurm_task("1", 0, CUDA_VISIBLE_DEVICES=""), None, "no GPUs listed"),
+    ({**SLURM_TASK, "SLURM_LOCALID": "1", "CUDA_VISIBLE_DEVICES": "0,1"}, None, "unknown number of tasks"),
+    # TPU VMs, one GPU host, the batch script itself (no srun task): JAX decides.
+    ({"TPU_WORKER_HOSTNAMES": "w-0,w-1", "TPU_WORKER_ID": "1"}, None, "not an srun task"),
+    ({"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, None, "not an srun task"),
+    ({"SLURM_JOB_ID": "77", "SLURM_NTASKS": "16", "CUDA_VISIBLE_DEVICES": "0,1"}, None, "not an srun task"),
+    (slurm_task("1", 0, CUDA_VISIBLE_DEVICES="0,1", JAX_LOCAL_DEVICE_IDS="1"), None, "JAX_LOCAL_DEVICE_IDS=1"),
 ])
-def test_startup_calls_initialize_with_no_arguments_when_decided(monkeypatch, env, calls):
-    for var in ("TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES", "CLOUD_TPU_TASK_ID", "MEGASCALE_NUM_SLICES",
-                "MEGASCALE_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS"):
-        monkeypatch.delenv(var, raising=False)
+def test_local_device_ids_from_the_environment(env, expected, reason):
+    ids, why = parallel.local_device_ids_decision(env)
+    assert ids == expected and reason in why, why
+
+
+def test_explicit_local_device_ids_win_and_uneven_shares_are_refused():
+    env = slurm_task("8(x2)", 3, CUDA_VISIBLE_DEVICES="3")
+    assert parallel.local_device_ids_decision(env, (0, 1)) == ((0, 1), "config.distributed.local_device_ids")
+    assert parallel.local_device_ids_decision({}, [2])[0] == (2,)
+    with pytest.raises(ValueError, match=r"shares 8 GPUs .*do not split evenly.*--gpus-per-task"):
+        parallel.local_device_ids_decision(slurm_task("3", 1, CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7"))
+    with pytest.raises(ValueError, match="SLURM_LOCALID=9 is not one of the 8 tasks"):
+        parallel.local_device_ids_decision(slurm_task("8", 9, CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7"))
+
+
+@pytest.mark.parametrize("env,cfg,calls", [
+    ({}, {}, []),
+    ({"TPU_WORKER_HOSTNAMES": "w-0,w-1"}, {}, [{}]),
+    ({"SLURM_JOB_ID": "5", "SLURM_NTASKS": "2"}, {}, [{}]),
+    # srun without an address: JAX finds the cluster, tacl_jax names the GPUs.
+    (slurm_task("1(x2)", 0, CUDA_VISIBLE_DEVICES="0,1,2,3"), {}, [{"local_device_ids": [0, 1, 2, 3]}]),
+    # launch/slurm_gpu.sbatch: an address, and the GPUs from the task's environment ...
+    (slurm_task("8(x2)", 5, CUDA_VISIBLE_DEVICES="5"),
+     dict(coordinator_address="gpu01:20077", num_processes=16, process_id=13),
+     [dict(coordinator_address="gpu01:20077", num_processes=16, process_id=13, local_device_ids=[0])]),
+    # ... unless the config names them.
+    (slurm_task("8(x2)", 5, CUDA_VISIBLE_DEVICES="5"),
+     dict(coordinator_address="gpu01:20077", num_processes=16, process_id=13, local_device_ids=(2,)),
+     [dict(coordinator_address="gpu01:20077", num_processes=16, process_id=13, local_device_ids=[2])]),
+])
+def test_startup_calls_initialize_with_what_was_decided(monkeypatch, env, cfg, calls):
+    import os
+
+    for var in list(os.environ):
+        if var.startswith(("TPU_", "CLOUD_TPU_", "MEGASCALE_", "SLURM_", "JAX_")) or var == "CUDA_VISIBLE_DEVICES":
+            monkeypatch.delenv(var)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     got = []
@@ -82,8 +151,8 @@ def test_startup_calls_initialize_with_no_arguments_when_decided(monkeypatch, en
     monkeypatch.setattr(parallel.jax.config, "update", lambda *a: None)
     monkeypatch.setattr(parallel.jax, "process_index", lambda: 0)
     monkeypatch.setattr(parallel.jax, "process_count", lambda: 2)
-    cfg = ml_collections.ConfigDict(dict(initialize="auto", coordinator_address="", num_processes=1,
-                                         process_id=0, local_device_ids=()))
+    cfg = ml_collections.ConfigDict(dict(dict(initialize="auto", coordinator_address="", num_processes=1,
+                                              process_id=0, local_device_ids=()), **cfg))
     parallel.maybe_initialize_distributed(cfg)
     parallel.maybe_initialize_distributed(cfg)     # decided once per process
     assert got == calls

@@ -1,6 +1,12 @@
 """Our BERT against PyTorch ``transformers`` with identical weights, and the HF round trip."""
 
+import json
 import logging
+import os
+import socket
+import stat
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -178,3 +184,188 @@ def test_real_minilm_export_round_trip_through_transformers(minilm_dir, tmp_path
     with torch.no_grad():
         hidden = pt.eval()(**feed).last_hidden_state.numpy()
     np.testing.assert_allclose(np.asarray(ours.last_hidden_state), hidden, atol=1e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- export folder safety
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A random tiny ``(BertModel, params)`` with the MLM head and pooler (f32, unrolled)."""
+    import flax.linen as nn
+
+    model = BertModel(BertConfig(**TINY, dtype="float32"))
+    params = nn.meta.unbox(model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
+    return model, jax.tree.map(np.asarray, params)
+
+
+def _foreign_folder(path):
+    """A folder another tool wrote: an old tokenizer and pickle beside a config."""
+    path.mkdir()
+    (path / "pytorch_model.bin").write_bytes(b"old weights")
+    (path / "vocab.txt").write_text("[PAD]\n")
+    (path / "config.json").write_text('{"model_type": "bert"}')
+    return {p.name: p.read_bytes() for p in path.iterdir()}
+
+
+def _contents(path):
+    return {p.name: p.read_bytes() for p in path.iterdir()}
+
+
+def test_save_refuses_a_non_empty_folder_and_overwrite_replaces_it_whole(tmp_path, tiny):
+    model, params = tiny
+    out = tmp_path / "out"
+    before = _foreign_folder(out)
+    for mode in (False, "ours"):  # "ours": no marker, so not ours
+        with pytest.raises(hf.ExportDirError, match=f"{out}.*(--overwrite|not a tacl_jax export)") as e:
+            hf.save(model, params, str(out), overwrite=mode)
+        assert "\n" not in str(e.value)
+        assert _contents(out) == before  # refused before writing anything
+    hf.save(model, params, str(out), overwrite=True)
+    # Replaced whole: nothing of the old model is left beside the new one.
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", hf.EXPORT_MARKER]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary or old folder left
+    _, info = transformers.BertForMaskedLM.from_pretrained(str(out), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    with pytest.raises(ValueError, match="overwrite=1"):
+        hf.save(model, params, str(out), overwrite=1)
+
+
+def test_save_ours_replaces_only_a_folder_tacl_jax_wrote(tmp_path, tiny, minilm_dir):
+    model, params = tiny
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    hf.save(model, params, str(empty))  # an empty folder is free without any overwrite
+    out = tmp_path / "export"
+    hf.save(model, params, str(out), head="mlm", tokenizer_from=minilm_dir, overwrite="ours")
+    marker = json.loads((out / hf.EXPORT_MARKER).read_text())
+    assert marker["head"] == "mlm" and marker["tacl_jax"] and marker["time"]
+    assert "vocab.txt" in marker["files"] and "model.safetensors" in marker["files"]
+    with pytest.raises(hf.ExportDirError, match="already exists"):
+        hf.save(model, params, str(out))  # the default never replaces, not even our own export
+    hf.save(model, params, str(out), head="none", overwrite="ours")  # a rerun redoes its own export
+    assert json.loads((out / hf.EXPORT_MARKER).read_text())["head"] == "none"
+    assert "vocab.txt" not in _contents(out)  # replaced whole, not merged
+    (out / "notes.txt").write_text("mine")  # a user's file in our export: no longer ours alone
+    with pytest.raises(hf.ExportDirError, match="notes.txt"):
+        hf.save(model, params, str(out), overwrite="ours")
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_save_out_dir_that_is_a_file_or_under_a_file(tmp_path, tiny):
+    model, params = tiny
+    f = tmp_path / "model.bin"
+    f.write_bytes(b"keep me")
+    for out, overwrite in ((f, False), (f, True), (f / "sub", True)):
+        with pytest.raises(hf.ExportDirError, match=f"{f}.* is a file"):
+            hf.save(model, params, str(out), overwrite=overwrite)
+    assert f.read_bytes() == b"keep me"
+    with pytest.raises(hf.ExportDirError, match="local folders only"):
+        hf.check_out_dir("gs://bucket/export")
+
+
+def test_failed_save_leaves_the_old_export_untouched(tmp_path, tiny, minilm_dir, monkeypatch):
+    model, params = tiny
+    out = tmp_path / "out"
+    hf.save(model, params, str(out), head="none")
+    before = _contents(out)
+
+    def disk_full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    # Fails after model.safetensors and config.json of the new export are written.
+    monkeypatch.setattr(hf.shutil, "copyfile", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        hf.save(model, params, str(out), head="mlm", tokenizer_from=minilm_dir, overwrite=True)
+    assert _contents(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_save_removes_what_a_killed_save_left(tmp_path, tiny):
+    model, params = tiny
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    host = socket.gethostname()
+    left = tmp_path / f".out.tmp-{host}-{dead}"  # a save killed while writing
+    running = tmp_path / f".out.tmp-{host}-{os.getppid()}"  # a save still going on
+    other_host = tmp_path / f".out.tmp-elsewhere-{dead}"
+    for d in (left, running, other_host):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"partial")
+    hf.save(model, params, str(tmp_path / "out"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", running.name, other_host.name])
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_export_files_honour_the_umask(tmp_path, tiny, minilm_dir, umask):
+    model, params = tiny
+    old = os.umask(umask)
+    try:
+        hf.save(model, params, str(tmp_path / "out"), tokenizer_from=minilm_dir)
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "out").iterdir()}
+    assert modes and set(modes.values()) == {0o666 & ~umask}, {k: oct(v) for k, v in modes.items()}
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o777 & ~umask
+
+
+# ----------------------------------------------------------------------------- damaged or inconsistent folders
+
+def test_damaged_files_give_one_line_naming_them(tmp_path, tiny):
+    model, params = tiny
+    out = tmp_path / "m"
+    hf.save(model, params, str(out))
+    st = out / "model.safetensors"
+    good = st.read_bytes()
+    for bad in (good[:len(good) // 2], b"\x00" * 3 + bytes(range(256)), b""):
+        st.write_bytes(bad)
+        for read in (hf.load, hf.read_state_dict):
+            with pytest.raises(hf.FolderError, match=f"{st} is damaged.*re-download") as e:
+                read(str(out))
+            assert "\n" not in str(e.value)
+    st.write_bytes(good)
+    cfg = out / "config.json"
+    good_cfg = cfg.read_text()
+    for bad, what in ((good_cfg[:len(good_cfg) // 2], "is damaged"), ("[1, 2]", "is damaged"),
+                      (good_cfg.replace('"hidden_size": 32', '"hidden_size": "32"'), "hidden_size is '32'")):
+        cfg.write_text(bad)
+        with pytest.raises(ValueError, match=f"{cfg}.*{what}"):
+            hf.load(str(out))
+    cfg.write_text(good_cfg)
+    # Sharded: a damaged index, and a shard it lists that is missing.
+    st.rename(out / "model-00001-of-00002.safetensors")
+    index = out / "model.safetensors.index.json"
+    index.write_text('{"weight_map": ')
+    with pytest.raises(ValueError, match=f"{index} is damaged"):
+        hf.read_state_dict(str(out))
+    index.write_text(json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors",
+                                                "b": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors is missing"):
+        hf.read_state_dict(str(out))
+    # A truncated PyTorch pickle.
+    for p in out.glob("model*"):
+        p.unlink()
+    torch.save({"x": torch.zeros(3)}, out / "pytorch_model.bin")
+    pt = out / "pytorch_model.bin"
+    pt.write_bytes(pt.read_bytes()[:40])
+    with pytest.raises(ValueError, match=f"{pt} cannot be read.*damaged"):
+        hf.read_state_dict(str(out))
+
+
+def test_vocab_size_mismatch_is_refused_and_padding_stays_internal(tmp_path, tiny):
+    model, params = tiny
+    out = tmp_path / "m"
+    hf.save(model, params, str(out))
+    cfg = out / "config.json"
+    good = cfg.read_text()
+    _, back = hf.load(str(out), dtype="float32", with_pooler=False)  # padding to a multiple of 128: intended, silent
+    assert back["embeddings"]["word_embeddings"]["embedding"].shape == (256, 32)
+    assert not back["embeddings"]["word_embeddings"]["embedding"][203:].any()
+    for v in (250, 150):  # more rows than the checkpoint (were zero-padded), fewer (were dropped)
+        cfg.write_text(good.replace('"vocab_size": 203', f'"vocab_size": {v}'))
+        with pytest.raises(hf.FolderError, match=f"{out}: embeddings.word_embeddings.weight has 203 rows "
+                                             f"but the config's vocab_size is {v}"):
+            hf.load(str(out), dtype="float32", with_pooler=False)
+    cfg.write_text(good)
+    with pytest.raises(ValueError, match="vocab_size=300.*cannot be resized"):
+        hf.load(str(out), vocab_size=300)
+    hf.load(str(out), vocab_size=203, dtype="float32", with_pooler=False)  # the checkpoint's own size: fine

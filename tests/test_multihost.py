@@ -6,8 +6,10 @@ import json
 import os
 import pathlib
 import socket
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -31,12 +33,12 @@ def _corpus(tmp_path) -> pathlib.Path:
     return path
 
 
-def _args(workdir, corpus, tokenizer, steps_per_run=0):
+def _args(workdir, corpus, tokenizer, steps_per_run=0, num_train_steps=5, every=2):
     return [sys.executable, "-m", "tacl_jax.main", f"--config={ROOT / 'configs' / 'tiny.py'}",
-            f"--workdir={workdir}", "--config.num_train_steps=5", f"--config.steps_per_run={steps_per_run}",
-            "--config.log_every=1",
+            f"--workdir={workdir}", f"--config.num_train_steps={num_train_steps}",
+            f"--config.steps_per_run={steps_per_run}", "--config.log_every=1",
             f"--config.data.source=text:{corpus}", f"--config.init.tokenizer_path={tokenizer}",
-            "--config.init.scratch.vocab_size=30522", "--config.checkpoint.every=2",
+            "--config.init.scratch.vocab_size=30522", f"--config.checkpoint.every={every}",
             "--config.eval_at_end=False", "--config.max_len=32", "--config.global_batch_size=8"]
 
 
@@ -47,13 +49,17 @@ def _env(devices: int):
     return env
 
 
-def _run_two(workdir, corpus, tokenizer, steps_per_run=0):
+def _start_two(workdir, corpus, tokenizer, **kw):
     port = _free_port()
-    procs = [subprocess.Popen(
-        _args(workdir, corpus, tokenizer, steps_per_run) + [
+    return [subprocess.Popen(
+        _args(workdir, corpus, tokenizer, **kw) + [
             f"--config.distributed.coordinator_address=127.0.0.1:{port}",
             "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}"],
         env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+
+
+def _run_two(workdir, corpus, tokenizer, **kw):
+    procs = _start_two(workdir, corpus, tokenizer, **kw)
     outs = [p.communicate(timeout=600)[0] for p in procs]
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-4000:]
@@ -86,3 +92,25 @@ def test_two_processes_equal_one_process_four_devices(tmp_path, minilm_dir):
     for s in ref:
         for k in ("loss", "mlm_loss", "tacl_loss", "grad_norm"):
             np.testing.assert_allclose(got[s][k], ref[s][k], rtol=1e-5, err_msg=f"step {s} {k}")
+
+
+def test_sigterm_to_one_of_two_processes_saves_one_step_on_both_and_the_rerun_resumes(tmp_path, minilm_dir):
+    """SIGTERM reaches one process (a maintenance event, ``tpu_vm.sh stop`` on one worker): JAX's
+    preemption notifier and Orbax's ``reached_preemption`` make both save the same step and exit 0."""
+    corpus, run = _corpus(tmp_path), tmp_path / "run"
+    procs = _start_two(run, corpus, minilm_dir, num_train_steps=400, every=1000)
+    metrics, t0 = run / "metrics.jsonl", time.time()
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert all(p.poll() is None for p in procs) and time.time() - t0 < 400, "the run ended early"
+        time.sleep(0.1)
+    procs[1].send_signal(signal.SIGTERM)
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+        assert "preempted: checkpoint of step" in out, out[-3000:]
+    saved = sorted(int(d) for d in os.listdir(run / "checkpoints") if d.isdigit())
+    assert len(saved) == 1 and 2 <= saved[0] < 400, saved
+    assert all(f"checkpoint of step {saved[0]} " in out for out in outs)
+    outs = _run_two(run, corpus, minilm_dir, num_train_steps=saved[0] + 1, every=1000)
+    assert all(f"resuming from {run}/checkpoints/{saved[0]}" in o for o in outs), outs[0][-3000:]
+    assert [r["step"] for r in _losses(run)][-1] == saved[0] + 1

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ml_collections
 
+from tacl_jax.errors import ConfigError
+
 PACKING_MODES = ("full_sentences", "nsp_pairs")
 TEXT_DOC_SEPARATORS = ("blank_line", "line")
 
@@ -59,16 +61,16 @@ def default_config() -> ml_collections.ConfigDict:
 def validate(config: ml_collections.ConfigDict) -> None:
     """Raises ValueError naming the key and the fix for any out-of-range data setting."""
     if config.packing not in PACKING_MODES:
-        raise ValueError(f"config.data.packing={config.packing!r}: use one of {PACKING_MODES}")
+        raise ConfigError(f"config.data.packing={config.packing!r}: use one of {PACKING_MODES}")
     if config.text_doc_separator not in TEXT_DOC_SEPARATORS:
-        raise ValueError(f"config.data.text_doc_separator={config.text_doc_separator!r}: use one "
+        raise ConfigError(f"config.data.text_doc_separator={config.text_doc_separator!r}: use one "
                          f"of {TEXT_DOC_SEPARATORS}")
     if not 0.0 <= config.short_seq_prob <= 1.0:
-        raise ValueError(f"config.data.short_seq_prob={config.short_seq_prob} must be in [0, 1]")
+        raise ConfigError(f"config.data.short_seq_prob={config.short_seq_prob} must be in [0, 1]")
     if not 0.0 <= config.eval_fraction < 1.0:
-        raise ValueError(f"config.data.eval_fraction={config.eval_fraction} must be in [0, 1)")
+        raise ConfigError(f"config.data.eval_fraction={config.eval_fraction} must be in [0, 1)")
     if config.num_shards < 1:
-        raise ValueError(f"config.data.num_shards={config.num_shards} must be >= 1")
+        raise ConfigError(f"config.data.num_shards={config.num_shards} must be >= 1")
     for key in ("worker_count", "read_threads", "prefetch"):
         if config[key] < 0:
-            raise ValueError(f"config.data.{key}={config[key]} must be >= 0")
+            raise ConfigError(f"config.data.{key}={config[key]} must be >= 0")

@@ -15,11 +15,15 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 
-from tacl_jax import checkpoint, hf, parallel
+from tacl_jax import checkpoint, hf, parallel, signals
 from tacl_jax import config as config_lib
+from tacl_jax import workdir as workdir_lib
 from tacl_jax import data as data_lib
+from tacl_jax.errors import UserError
 from tacl_jax.objectives import ratios
 from tacl_jax.train.setup import (build_model, build_program, check_batch_arithmetic, check_model,  # noqa: F401
                                   create_coco_state, create_state, create_teacher, hf_params_for, initial_params,
@@ -29,8 +33,8 @@ from tacl_jax.train.step import make_eval_step  # noqa: F401  (part of the loop'
 log = logging.getLogger(__name__)
 
 
-class NonFiniteLossError(RuntimeError):
-    pass
+class NonFiniteLossError(UserError, RuntimeError):
+    """The run diverged; the message names the step and the last finite checkpoint."""
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -60,9 +64,14 @@ def _copy_tree(src: str, dst: str) -> None:
 
 class MetricWriter:
     """Console line, ``metrics.jsonl`` and TensorBoard events in the workdir (its local mirror
-    when the workdir is remote), from process 0 only."""
+    when the workdir is remote), from process 0 only.
 
-    def __init__(self, workdir: str):
+    ``metrics.jsonl`` holds one row per logged step, valid JSON (a non-finite value is written as
+    the string ``"NaN"``/``"Infinity"``, not a bare NaN). A run resumed at step s first drops the
+    rows past s (the steps an interrupted run logged after its last checkpoint are redone), so each
+    step appears once."""
+
+    def __init__(self, workdir: str, resumed_at: int = 0):
         self.enabled = jax.process_index() == 0
         target = local_dir(workdir)
         self.path = os.path.join(target, "metrics.jsonl")
@@ -72,6 +81,7 @@ class MetricWriter:
                 log.info("remote workdir %s: metrics.jsonl and TensorBoard events go to %s", workdir, target)
             os.makedirs(target, exist_ok=True)
             workdir = target
+            _drop_rows_after(self.path, resumed_at)
             try:
                 from tensorboardX import SummaryWriter
                 self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
@@ -83,7 +93,7 @@ class MetricWriter:
             return
         row = {"step": step, **{prefix + k: v for k, v in metrics.items()}}
         with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps({k: _json_number(v) for k, v in row.items()}, allow_nan=False) + "\n")
         if self.tb is not None:
             for k, v in row.items():
                 if k != "step":
@@ -106,6 +116,38 @@ class MetricWriter:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def _json_number(v):
+    """JSON has no NaN/Infinity: write them as strings (``float("NaN")`` reads them back)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
+    return v
+
+
+def _drop_rows_after(path: str, step: int) -> None:
+    """Rewrite ``path`` without the rows of steps after ``step`` (atomically: a crash leaves the
+    old file or the new one). Nothing to do for a fresh run or a file without such rows."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    keep = []
+    for line in lines:
+        try:
+            row_step = json.loads(line).get("step", 0)
+        except ValueError:   # a line cut short by a kill: drop it too
+            continue
+        if row_step <= step:
+            keep.append(line if line.endswith("\n") else line + "\n")
+    if len(keep) == len(lines):
+        return
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.writelines(keep)
+    os.replace(tmp, path)
+    log.info("metrics.jsonl: dropped %d row(s) past the resumed step %d (those steps are redone)",
+             len(lines) - len(keep), step)
 
 
 def _progress_bar(step: int, total: int, width: int = 20) -> str:
@@ -213,23 +255,54 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     """Train per ``config`` in ``workdir`` (resuming from its latest checkpoint when there is one).
 
     Returns ``{"state", "metrics" (the last logged), "model", "status"}``; status is
-    ``finished`` | ``preempted`` | ``paused`` (``steps_per_run`` reached) | ``already_finished``.
+    ``finished`` | ``preempted`` (SIGTERM/Ctrl-C: saved at a step boundary; or before the first
+    step, with nothing new to save) | ``paused`` (``steps_per_run`` reached) | ``already_finished``
+    (and every end-of-run output present; missing ones are redone first).
     """
-    # --- start-up
+    # --- start-up: processes, signals, config, workdir (before anything is compiled or written)
     parallel.maybe_initialize_distributed(config.distributed)
+    stop = signals.install(multi_process=jax.process_count() > 1)
     config_lib.validate(config)
     workdir = os.path.abspath(workdir) if "://" not in workdir else workdir
+    workdir_lib.check_writable(workdir)
+    lock = _hold_workdir(workdir)
+    try:
+        return _train(config, workdir, stop)
+    finally:
+        lock.release()
+        stop.reset()
+        stop.uninstall()
 
+
+def _hold_workdir(workdir: str) -> workdir_lib.WorkdirLock:
+    """Process 0 takes the workdir lock; every process learns whether it did (a refused process 0
+    must not leave the others waiting in the first collective)."""
+    lock = workdir_lib.WorkdirLock(workdir, enabled=jax.process_index() == 0)
+    error = None
+    try:
+        lock.acquire()
+    except workdir_lib.WorkdirError as e:
+        error = e
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        ok = bool(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
+        if not ok and error is None:
+            raise workdir_lib.WorkdirError(f"process 0 could not take the lock of {workdir} (see its log)")
+    if error is not None:
+        raise error
+    return lock
+
+
+def _train(config, workdir: str, stop: signals.StopFlag) -> dict[str, Any]:
     # --- the program: mesh, model, step config, optimizer, shardings and the jitted step, decided
     # from this run's devices (tacl_jax.train.setup; python -m tacl_jax.aot compiles the same)
     prog = build_program(config, run_devices(config))
-    mesh, rules, model, step_cfg, tx = prog.mesh, prog.rules, prog.model, prog.step_cfg, prog.tx
-    coco, special, abstract_state, state_sh = prog.coco, prog.special_ids, prog.abstract_state, prog.state_shardings
+    mesh, rules, model, step_cfg = prog.mesh, prog.rules, prog.model, prog.step_cfg
+    coco, special, state_sh = prog.coco, prog.special_ids, prog.state_shardings
     log.info("mesh %s: %d process(es) × %d local device(s) (%s); global batch %d = %d per process, %d micro-batch(es)",
              dict(mesh.shape), jax.process_count(), jax.local_device_count(), prog.target.device_kind,
              config.global_batch_size, config.global_batch_size // jax.process_count(), config.grad_accum_steps)
     tok_dir = config.init.tokenizer_path or config.init.hf_path
-    hf_params = hf_params_for(config, model)
 
     # --- input (before the checkpoint folder exists: a refused data config leaves nothing behind)
     data_kwargs = dict(global_batch_size=config.global_batch_size, max_len=config.max_len, seed=config.seed,
@@ -244,47 +317,28 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     # --- state: this workdir's checkpoint → init.hf_path → init.params_from → from scratch.
     # Every start-up check above has passed: only now is workdir/checkpoints created.
     ckpt = checkpoint.CheckpointManager(workdir, config.checkpoint)
-    latest = ckpt.latest_step()
-    data_state = None
-    if latest is not None:
-        log.info("start-up: resuming from %s/%d", ckpt.directory, latest)
-        state, data_state, _ = ckpt.restore(latest, abstract_state)
-        if latest >= config.num_train_steps:
-            log.info("this run already finished: step %d of %d is checkpointed in %s; nothing to do",
-                     latest, config.num_train_steps, ckpt.directory)
-            ckpt.close()
-            train_iter.close()
-            return {"state": state, "metrics": {}, "model": model, "status": "already_finished"}
-    elif config.init.hf_path:
-        log.info("start-up: no checkpoint in %s; student and teacher from the Hugging Face checkpoint %s",
-                 ckpt.directory, config.init.hf_path)
-        if coco:
-            state, _ = create_coco_state(model, tx, mesh, rules, config.seed, config.max_len, hf_params)
-        else:
-            state, _ = create_state(model, tx, mesh, rules, config.seed, config.max_len, hf_params)
-    elif config.init.params_from:
-        other = checkpoint.CheckpointManager(config.init.params_from, config.checkpoint)
-        step_other = other.latest_step()
-        if step_other is None:
-            raise FileNotFoundError(f"init.params_from={config.init.params_from!r} has no complete checkpoint")
-        log.info("start-up: no checkpoint in %s; params from %s/%d (optimizer state and step reset)",
-                 ckpt.directory, other.directory, step_other)
-        restored, _, _ = other.restore(step_other, abstract_state)
-        other.close()
-        state, _ = create_state(model, tx, mesh, rules, config.seed, config.max_len,
-                                jax.device_get(restored.params))
-        hf_params = jax.device_get(restored.params)
-    else:
-        log.info("start-up: no checkpoint in %s and no init.hf_path: from scratch (seed %d)",
-                 ckpt.directory, config.seed)
-        state, _ = create_state(model, tx, mesh, rules, config.seed, config.max_len)
+    try:
+        state, data_state, hf_params = _initial_state(config, prog, ckpt, workdir)
+    except BaseException:
+        ckpt.close()
+        train_iter.close()
+        raise
     start = int(jax.device_get(state.step))
+    todo = _end_outputs_missing(config, workdir) if start >= config.num_train_steps else None
+    if todo is not None and not todo:
+        log.info("this run already finished: step %d of %d is checkpointed in %s and its end-of-run outputs "
+                 "are there; nothing to do", start, config.num_train_steps, ckpt.directory)
+        ckpt.close()
+        train_iter.close()
+        return {"state": state, "metrics": {}, "model": model, "status": "already_finished"}
+    if todo:
+        log.info("this run already finished training (step %d) but its end is incomplete: redoing %s",
+                 start, ", ".join(sorted(todo)))
 
-    teacher, teacher_sh = None, None
-    if not coco and step_cfg.uses_teacher:
+    teacher = None
+    if not coco and step_cfg.uses_teacher and (todo is None or "eval" in todo):
         init = initial_params(model, mesh, rules, config.seed, config.max_len, state_sh.params, hf_params)
-        teacher, teacher_sh = create_teacher(init, state_sh.params, config.tacl.teacher_param_dtype,
-                                             model.config.dtype)
+        teacher, _ = create_teacher(init, state_sh.params, config.tacl.teacher_param_dtype, model.config.dtype)
         del init
     del hf_params
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
@@ -306,15 +360,18 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     export_model, export_params = prog.export_model, prog.export_params
 
     # --- loop; metrics are fetched one step late so the host never waits on the device.
-    writer = MetricWriter(workdir)
-    preempt = checkpoint.PreemptionFlag().install()
+    writer = MetricWriter(workdir, resumed_at=start)
     pending, last, status = None, {}, "finished"
     timer = _Timer(start)
     profiler = _Profiler(config, workdir, start)
     step = start
+    if stop.is_set():
+        status = "preempted"
+        log.warning("%s during start-up: stopping before the first step; nothing new to save (the "
+                    "checkpoint of step %d is the latest)", stop.signal_name, start)
     try:
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-            for step in range(start, config.num_train_steps):
+            for step in range(start, config.num_train_steps if status == "finished" else start):
                 batch = prog.global_batch(next(train_iter))
                 profiler.before_step(step)
                 state, metrics = p_step(state, teacher, batch, rng)
@@ -324,11 +381,12 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                     last = _report(pending, writer, config, timer, flops, peak) or last
                 pending = (step + 1, metrics)
                 done = step + 1
-                preempted = preempt.is_set() or ckpt.reached_preemption(done)
+                preempted = stop.is_set() or ckpt.reached_preemption(done)
                 stop_here = config.steps_per_run > 0 and done - start >= config.steps_per_run
                 profiler.after_step(done, (state, metrics),
                                     last=preempted or stop_here or done == config.num_train_steps)
                 if preempted or stop_here or ckpt.should_save(done) or done == config.num_train_steps:
+                    _check_finite_before_save(done, state, metrics, ckpt)
                     ckpt.save(done, state, train_iter.get_state(), config, force=True)
                 if config.hf_export_every > 0 and done % config.hf_export_every == 0:
                     _export(export_model, export_params(state.params), workdir, f"step_{done}", tok_dir)
@@ -348,25 +406,134 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                 last = _report(pending, writer, config, timer, flops, peak, force=True) or last
             evaluated_last = config.eval_every > 0 and step + 1 == config.num_train_steps and \
                 config.num_train_steps % config.eval_every == 0
-            if status == "finished" and config.eval_at_end and eval_batches and not evaluated_last:
+            if status == "finished" and config.eval_at_end and eval_batches and not evaluated_last and \
+                    (todo is None or "eval" in todo):
                 writer.write(config.num_train_steps, evaluate(p_eval, state.params, teacher, eval_batches, mesh,
                                                               config.seed + 1, eval_ratios), config.num_train_steps, prefix="eval_")
-            if status == "finished" and config.export_at_end:
+            if status == "finished" and config.export_at_end and (todo is None or "export" in todo):
                 _export(export_model, export_params(state.params), workdir, "final", tok_dir)
     finally:
         profiler.close()
-        ckpt.wait()
-        ckpt.close()
-        preempt.uninstall()
-        writer.close()
-        train_iter.close()
-    if status == "finished" and config.analysis.enabled and jax.process_index() == 0:
+        try:
+            ckpt.wait()
+        finally:
+            ckpt.close()
+            writer.close()
+            train_iter.close()
+    if status == "finished" and config.analysis.enabled and jax.process_index() == 0 and \
+            (todo is None or "analysis" in todo):
         try:
             analyze_at_end(config, workdir, export_model.config.max_position_embeddings)
         except Exception:  # pylint: disable=broad-except  # the run is complete and saved either way
             log.exception("analysis failed (training, checkpoint and export are complete); rerun it with "
                           "python -m tacl_jax.analyze --workdir=%s --split=heldout --out=...", workdir)
+    if todo:
+        status = "already_finished"
     return {"state": state, "metrics": last, "model": model, "status": status}
+
+
+def _initial_state(config, prog, ckpt: checkpoint.CheckpointManager, workdir: str):
+    """``(state, data_state | None, hf_params | None)``: this workdir's latest good checkpoint (a
+    changed config refused or warned about first), else ``init.hf_path``, ``init.params_from`` or
+    from scratch. ``hf_params`` is what the teacher starts from."""
+    model, tx, mesh, rules, abstract_state = prog.model, prog.tx, prog.mesh, prog.rules, prog.abstract_state
+    latest = ckpt.latest_step()
+    if latest is not None:
+        _check_config_unchanged(ckpt, latest, config, workdir)
+        step, state, data_state, _ = ckpt.restore_latest(abstract_state)
+        log.info("start-up: resuming from %s/%d", ckpt.directory, step)
+        # The teacher of a resumed TaCL run is re-read from where it came from (checkpoint docstring).
+        return state, data_state, hf_params_for(config, model)
+    hf_params = hf_params_for(config, model)
+    if config.init.hf_path:
+        log.info("start-up: no checkpoint in %s; student and teacher from the Hugging Face checkpoint %s",
+                 ckpt.directory, config.init.hf_path)
+        create = create_coco_state if prog.coco else create_state
+        state, _ = create(model, tx, mesh, rules, config.seed, config.max_len, hf_params)
+        return state, None, hf_params
+    if config.init.params_from:
+        other = checkpoint.CheckpointManager(config.init.params_from, config.checkpoint)
+        try:
+            found = other.restore_latest(abstract_state)
+        finally:
+            other.close()
+        if found is None:
+            raise FileNotFoundError(f"init.params_from={config.init.params_from!r} has no complete checkpoint")
+        log.info("start-up: no checkpoint in %s; params from %s/%d (optimizer state and step reset)",
+                 ckpt.directory, other.directory, found[0])
+        params = jax.device_get(found[1].params)
+        state, _ = create_state(model, tx, mesh, rules, config.seed, config.max_len, params)
+        return state, None, params
+    log.info("start-up: no checkpoint in %s and no init.hf_path: from scratch (seed %d)",
+             ckpt.directory, config.seed)
+    state, _ = create_state(model, tx, mesh, rules, config.seed, config.max_len)
+    return state, None, None
+
+
+def _check_config_unchanged(ckpt: checkpoint.CheckpointManager, step: int, config, workdir: str) -> None:
+    """A rerun must continue the run it resumes: changes to the objective, model or losses are
+    refused, optimizer/schedule changes are logged key by key (``config.resume_changes``)."""
+    try:
+        saved = ckpt.restore_config(step)
+    except Exception:  # pylint: disable=broad-except  # a damaged step: restore_latest says so next
+        return
+    refused, warned = config_lib.resume_changes(saved, config)
+    for line in warned:
+        log.warning("resuming with a changed setting: %s", line)
+    if refused:
+        raise config_lib.ConfigChangedError(refused, workdir)
+
+
+@jax.jit
+def _finite(params, metrics) -> jax.Array:
+    """One bool on device: the state about to be saved and the step that made it are finite."""
+    norm = optax.tree.norm(params)
+    return jnp.isfinite(norm) & jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+
+
+def _check_finite_before_save(step: int, state, metrics, ckpt: checkpoint.CheckpointManager) -> None:
+    """Never save a diverged state: a NaN checkpoint would be resumed, and rotation would delete
+    the finite ones. Reading one bool waits for this step, which the save does anyway."""
+    if bool(jax.device_get(_finite(state.params, metrics))):
+        return
+    host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    ckpt.wait()
+    good = ckpt.latest_step()
+    raise NonFiniteLossError(
+        f"step {step} diverged (" + ", ".join(f"{k}={host[k]:.4g}" for k in ("loss", "grad_norm", "param_norm")
+                                              if k in host)
+        + "): its state was not saved. The last finite checkpoint is "
+        + (f"{ckpt.directory}/{good}" if good is not None else "none (this run saved nothing yet)")
+        + "; lower optim.learning_rate (or check the data, or use model.dtype=float32) and rerun to resume from it")
+
+
+def _end_outputs_missing(config, workdir: str) -> set[str]:
+    """What a finished run's end should have written and did not (a crash between the last
+    checkpoint and the export, an export that failed): ``{"eval", "export", "analysis"}`` subset."""
+    todo = set()
+    local = local_dir(workdir)
+    if config.export_at_end and not os.path.isfile(os.path.join(export_dir(local, "final"), "config.json")):
+        todo.add("export")
+    if config.eval_at_end and not _has_eval_row(os.path.join(local, "metrics.jsonl"), config.num_train_steps):
+        todo.add("eval")
+    if config.analysis.enabled and config.export_at_end and \
+            not os.path.isfile(os.path.join(local, "analysis", "self_similarity.json")):
+        todo.add("analysis")
+    return todo
+
+
+def _has_eval_row(path: str, step: int) -> bool:
+    if not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if row.get("step") == step and any(k.startswith("eval_") for k in row):
+                return True
+    return False
 
 
 def analyze_at_end(config, workdir: str, max_position_embeddings: int) -> dict | None:
@@ -412,7 +579,8 @@ def export_dir(workdir: str, name: str) -> str:
 def _export(model, params, workdir: str, name: str, tok_dir: str | None) -> None:
     out = export_dir(workdir, name)
     staging = export_dir(local_dir(workdir), name)
-    hf.save(model, params, staging, head="mlm", tokenizer_from=tok_dir or None)
+    # "ours": a rerun redoes an export it wrote (whole, atomically); a user's folder is refused.
+    hf.save(model, params, staging, head="mlm", tokenizer_from=tok_dir or None, overwrite="ours")
     if staging != out and jax.process_index() == 0:
         _copy_tree(staging, out)
     log.info("exported the student as a Hugging Face BertForMaskedLM folder: %s", out)

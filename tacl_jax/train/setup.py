@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from tacl_jax import checkpoint, hf, parallel, precision, tokens
+from tacl_jax.errors import ConfigError
 from tacl_jax.flops import peak_flops_of_kind, step_flops
 from tacl_jax.models import BertConfig, BertModel, to_dtype
 from tacl_jax.train.optimizer import make_optimizer
@@ -140,19 +141,19 @@ def check_batch_arithmetic(config, mesh) -> None:
     dp = parallel.data_parallel_size(mesh)
     procs = len({d.process_index for d in mesh.devices.flat})
     if b % procs:
-        raise ValueError(f"global_batch_size {b} is not divisible by the {procs} processes (hosts); "
+        raise ConfigError(f"global_batch_size {b} is not divisible by the {procs} processes (hosts); "
                          f"use a multiple of {procs}")
     if b % dp:
-        raise ValueError(f"global_batch_size {b} is not divisible by the data-parallel size {dp} "
+        raise ConfigError(f"global_batch_size {b} is not divisible by the data-parallel size {dp} "
                          f"(mesh data×fsdp); use a multiple of {dp} or change config.mesh")
     if (b // k) % dp:
-        raise ValueError(f"a micro-batch of {b // k} (global_batch_size {b} / grad_accum_steps {k}) is not "
+        raise ConfigError(f"a micro-batch of {b // k} (global_batch_size {b} / grad_accum_steps {k}) is not "
                          f"divisible by the data-parallel size {dp}; lower grad_accum_steps")
 
 
 def check_model(config, model) -> None:
     if config.max_len > model.config.max_position_embeddings:
-        raise ValueError(f"max_len {config.max_len} exceeds the model's max_position_embeddings "
+        raise ConfigError(f"max_len {config.max_len} exceeds the model's max_position_embeddings "
                          f"{model.config.max_position_embeddings}; lower config.max_len")
 
 

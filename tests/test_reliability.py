@@ -1,0 +1,291 @@
+"""Nothing lost, nothing silent: a diverging run, a lost final export, two runs on one workdir, a
+changed config on resume, a damaged or unwritable checkpoint, signals, and metrics.jsonl."""
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from tacl_jax import checkpoint, signals
+from tacl_jax import workdir as workdir_lib
+from tacl_jax.train import loop
+
+from test_checkpoint import _cli, _env
+from test_train import tiny_config
+
+
+def _quick(**overrides):
+    """A tiny run without its end-of-run extras unless a test asks for them."""
+    base = dict(export_at_end=False, eval_at_end=False, log_every=1)
+    base.update(overrides)
+    config = tiny_config(**base)
+    config.analysis.enabled = False
+    return config
+
+
+def _metric_rows(workdir) -> list[dict]:
+    def refuse(name):
+        raise AssertionError(f"metrics.jsonl holds a bare {name}: not JSON")
+
+    text = (pathlib.Path(workdir) / "metrics.jsonl").read_text()
+    return [json.loads(line, parse_constant=refuse) for line in text.splitlines()]
+
+
+def _checkpointed_params(workdir, config, step):
+    mgr = checkpoint.CheckpointManager(str(workdir), config.checkpoint)
+    try:
+        from tacl_jax.train.setup import build_program, run_devices
+        prog = build_program(config, run_devices(config))
+        state, _, _ = mgr.restore(step, prog.abstract_state)
+    finally:
+        mgr.close()
+    return jax.device_get(state.params)
+
+
+# ----------------------------------------------------------------------------- divergence
+
+def _all_checkpoints_finite(workdir, config) -> list[int]:
+    mgr = checkpoint.CheckpointManager(str(workdir), config.checkpoint)
+    steps = mgr.all_steps()
+    mgr.close()
+    for s in steps:
+        for leaf in jax.tree.leaves(_checkpointed_params(workdir, config, s)):
+            assert np.isfinite(leaf).all(), f"checkpoint {s} holds non-finite params"
+    return steps
+
+
+def test_a_diverging_run_never_saves_non_finite_state_and_resumes_from_the_last_finite(tmp_path, caplog):
+    config = _quick(num_train_steps=8)
+    config.optim.learning_rate = 1e9   # finite loss at the first steps, NaN params soon after
+    config.optim.warmup_fraction = 0.5
+    config.checkpoint.update(every=1, keep=2)
+    with pytest.raises(loop.NonFiniteLossError, match="diverged") as err:
+        loop.train_and_evaluate(config, str(tmp_path))
+    # Rotation (keep=2) never deleted the last finite checkpoint: every one left is finite.
+    steps = _all_checkpoints_finite(tmp_path, config)
+    assert steps and f"last finite checkpoint is {tmp_path}/checkpoints/{max(steps)}" in str(err.value)
+    _metric_rows(tmp_path)   # valid JSON, though NaN values were logged
+    # A rerun resumes from that checkpoint. (Finite is not sane: params blown up to 1e10 by this
+    # learning rate may diverge again; then again nothing non-finite is saved.)
+    config.optim.learning_rate = 1e-3
+    with caplog.at_level("INFO", logger="tacl_jax.train.loop"):
+        try:
+            loop.train_and_evaluate(config, str(tmp_path))
+        except loop.NonFiniteLossError:
+            pass
+    assert f"resuming from {tmp_path}/checkpoints/{max(steps)}" in caplog.text
+    _all_checkpoints_finite(tmp_path, config)
+
+
+# ----------------------------------------------------------------------------- end of run
+
+def test_a_finished_run_redoes_a_lost_final_export(tmp_path, caplog):
+    config = _quick(num_train_steps=2, export_at_end=True, eval_at_end=True)
+    (tmp_path / "export").write_text("in the way")   # the export fails after the last checkpoint
+    with pytest.raises(Exception, match="export"):
+        loop.train_and_evaluate(config, str(tmp_path))
+    assert not (tmp_path / "export").is_dir()
+    os.remove(tmp_path / "export")
+    with caplog.at_level("INFO", logger="tacl_jax.train.loop"):
+        out = loop.train_and_evaluate(config, str(tmp_path))
+    assert "redoing export" in caplog.text
+    assert out["status"] == "already_finished"
+    assert (tmp_path / "export" / "final" / "model.safetensors").is_file()
+    # The final evaluation was logged once (by the first run); the rerun did not repeat it.
+    evals = [r for r in _metric_rows(tmp_path) if "eval_mlm_loss" in r]
+    assert [r["step"] for r in evals] == [2]
+    # With everything there, a rerun does nothing.
+    caplog.clear()
+    with caplog.at_level("INFO", logger="tacl_jax.train.loop"):
+        again = loop.train_and_evaluate(config, str(tmp_path))
+    assert again["status"] == "already_finished" and "nothing to do" in caplog.text
+
+
+# ----------------------------------------------------------------------------- the workdir
+
+def test_a_workdir_held_by_a_live_run_is_refused_and_a_dead_runs_lock_is_taken_over(tmp_path, caplog):
+    config = _quick(num_train_steps=1)
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        (tmp_path / workdir_lib.LOCK_NAME).write_text(json.dumps(
+            dict(host=socket.gethostname(), pid=holder.pid, started="2026-12-04T10:00:00+00:00")))
+        with pytest.raises(workdir_lib.WorkdirError, match=f"pid {holder.pid}"):
+            loop.train_and_evaluate(config, str(tmp_path))
+        assert not (tmp_path / "checkpoints").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    # The holder is gone: its lock is stale and taken over, and released when the run ends.
+    with caplog.at_level("WARNING", logger="tacl_jax.workdir"):
+        out = loop.train_and_evaluate(config, str(tmp_path))
+    assert out["status"] == "finished" and "taking over the workdir lock" in caplog.text
+    assert not (tmp_path / workdir_lib.LOCK_NAME).exists()
+
+
+def test_lock_of_another_host_is_stale_only_without_a_heartbeat(tmp_path, monkeypatch):
+    lock_file = tmp_path / workdir_lib.LOCK_NAME
+    lock_file.write_text(json.dumps(dict(host="other-host", pid=1, started="x")))
+    with pytest.raises(workdir_lib.WorkdirError, match="host other-host"):
+        workdir_lib.WorkdirLock(str(tmp_path)).acquire()
+    old = time.time() - workdir_lib.STALE_S - 5
+    os.utime(lock_file, (old, old))
+    lock = workdir_lib.WorkdirLock(str(tmp_path)).acquire()
+    assert json.loads(lock_file.read_text())["pid"] == os.getpid()
+    # The heartbeat keeps a live lock fresh.
+    monkeypatch.setattr(workdir_lib, "HEARTBEAT_S", 0.05)
+    lock.release()
+    lock = workdir_lib.WorkdirLock(str(tmp_path)).acquire()
+    os.utime(lock_file, (old, old))
+    time.sleep(0.3)
+    assert time.time() - os.path.getmtime(lock_file) < 5
+    lock.release()
+    assert not lock_file.exists()
+
+
+def test_a_workdir_that_is_a_file_or_unwritable_is_refused_before_compiling(tmp_path, monkeypatch):
+    called = []
+    monkeypatch.setattr(loop, "build_program", lambda *a, **k: called.append(1))
+    path = tmp_path / "afile"
+    path.write_text("x")
+    with pytest.raises(workdir_lib.WorkdirError, match="is a file"):
+        loop.train_and_evaluate(_quick(), str(path))
+    # Unwritable: the probe write fails (this suite may run as root, where chmod cannot show it).
+    real_open = open
+
+    def refusing_open(name, mode="r", *a, **k):
+        if ".write-test-" in str(name):
+            raise PermissionError(13, "Permission denied", str(name))
+        return real_open(name, mode, *a, **k)
+
+    monkeypatch.setattr("builtins.open", refusing_open)
+    with pytest.raises(workdir_lib.WorkdirError, match="not writable"):
+        loop.train_and_evaluate(_quick(), str(tmp_path / "ro"))
+    assert not called
+
+
+# ----------------------------------------------------------------------------- resume
+
+def test_resume_refuses_a_changed_objective_and_warns_about_a_changed_learning_rate(tmp_path, caplog):
+    config = _quick(num_train_steps=4, steps_per_run=2)
+    config.checkpoint.every = 2
+    assert loop.train_and_evaluate(config, str(tmp_path))["status"] == "paused"
+    changed = _quick(num_train_steps=4, objective="mlm")
+    with pytest.raises(Exception, match="objective") as err:
+        loop.train_and_evaluate(changed, str(tmp_path))
+    assert "tacl" in str(err.value) and "mlm" in str(err.value)
+    config.optim.learning_rate = 5e-4
+    with caplog.at_level("WARNING", logger="tacl_jax.train.loop"):
+        out = loop.train_and_evaluate(config, str(tmp_path))
+    assert out["status"] == "finished"
+    assert "optim.learning_rate" in caplog.text and "0.0005" in caplog.text
+
+
+def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before_and_resumes_exactly(tmp_path, caplog):
+    ref_dir, run = tmp_path / "ref", tmp_path / "run"
+    config = _quick(num_train_steps=4)
+    config.checkpoint.every = 1
+    ref = loop.train_and_evaluate(config, str(ref_dir))
+    first = _quick(num_train_steps=4, steps_per_run=3)
+    first.checkpoint.every = 1
+    loop.train_and_evaluate(first, str(run))
+    arrays = [p for p in (run / "checkpoints" / "3" / "state").rglob("*") if p.is_file() and p.stat().st_size > 64
+              and "metadata" not in p.name.lower()]
+    assert arrays
+    for p in arrays:   # a copy cut short: every data file truncated to half
+        p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+    with caplog.at_level("WARNING", logger="tacl_jax.checkpoint"):
+        res = loop.train_and_evaluate(config, str(run))
+    assert "IS DAMAGED" in caplog.text and "resumes from step 2" in caplog.text
+    assert len(list((run / "checkpoints_damaged").iterdir())) == 1
+    # The redone steps equal the uninterrupted run's, and each step is logged once.
+    rows, ref_rows = _metric_rows(run), _metric_rows(ref_dir)
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    assert [r["loss"] for r in rows if "loss" in r] == [r["loss"] for r in ref_rows if "loss" in r]
+    for x, y in zip(jax.tree.leaves(jax.device_get(ref["state"].params)),
+                    jax.tree.leaves(jax.device_get(res["state"].params))):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_a_failed_save_says_so_in_one_line_with_the_last_good_checkpoint(tmp_path, monkeypatch):
+    config = _quick(num_train_steps=4)
+    config.checkpoint.update(every=1, async_save=False)
+    real_save = checkpoint.ocp.CheckpointManager.save
+    calls = []
+
+    def full_disk(self, step, *a, **k):
+        calls.append(step)
+        if step >= 3:
+            raise OSError(28, "No space left on device")
+        return real_save(self, step, *a, **k)
+
+    monkeypatch.setattr(checkpoint.ocp.CheckpointManager, "save", full_disk)
+    with pytest.raises(checkpoint.CheckpointWriteError) as err:
+        loop.train_and_evaluate(config, str(tmp_path))
+    msg = str(err.value)
+    assert "step 3" in msg and "No space left on device" in msg and msg.count("\n") == 0
+    assert f"{tmp_path}/checkpoints/2" in msg
+
+
+# ----------------------------------------------------------------------------- signals
+
+def test_ctrl_c_sets_the_stop_flag_and_a_second_one_interrupts():
+    before = signal.getsignal(signal.SIGTERM)
+    flag = signals.StopFlag().install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert flag.is_set() and flag.signal_name == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+        flag.reset()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert flag.is_set() and flag.signal_name == "SIGTERM"
+    finally:
+        flag.uninstall()
+    assert signal.getsignal(signal.SIGTERM) is before
+    # With several processes SIGTERM belongs to JAX's notifier: the flag never stops one alone.
+    multi = signals.StopFlag().install(multi_process=True)
+    assert signal.getsignal(signal.SIGTERM) is before
+    multi.event.set()
+    assert not multi.is_set()
+
+
+def test_sigterm_during_start_up_is_said_and_exits_0(tmp_path):
+    env = _env()
+    # Without JAX_PLATFORMS, as a user runs it: main sees no chip and says "cpu" to jax itself, so an
+    # installed libtpu (the aot extra) does not log a failed TPU probe at every start.
+    env.pop("JAX_PLATFORMS")
+    p = subprocess.Popen(_cli(tmp_path, "num_train_steps=3", "export_at_end=False", "eval_at_end=False"),
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in p.stdout:   # the first log line is written before the model is built
+        lines.append(line)
+        if "allocator:" in line:
+            p.send_signal(signal.SIGTERM)
+            break
+    out = "".join(lines) + p.communicate(timeout=300)[0]
+    assert p.returncode == 0, out[-3000:]
+    assert "SIGTERM during start-up" in out
+    assert "Unable to initialize backend" not in out and "libtpu" not in out
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+
+
+# ----------------------------------------------------------------------------- metrics.jsonl
+
+def test_metric_rows_are_json_and_rows_past_the_resumed_step_are_dropped(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2, 3, 4)) + '{"step": 5, "lo')
+    w = loop.MetricWriter(str(tmp_path), resumed_at=2)
+    w.write(3, {"loss": float("nan"), "grad_norm": float("inf")}, total_steps=4)
+    w.close()
+    rows = _metric_rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[-1]["loss"] == "NaN" and rows[-1]["grad_norm"] == "Infinity"
+    assert np.isnan(float(rows[-1]["loss"]))
