@@ -164,13 +164,13 @@ class CheckpointManager:
                 out = self.restore(steps[-2], abstract_state)
             except CheckpointError:
                 raise newest_error from None
-            moved = self._move_damaged(steps[-1])
+            moved = self._move_damaged(steps[-1], steps[-2])
             log.warning("CHECKPOINT %s/%d IS DAMAGED (%s) while %d restores: it was moved to %s and the run "
                         "resumes from step %d (the steps after it are redone)", self.directory, steps[-1],
                         _root_cause(newest_error.__cause__ or newest_error), steps[-2], moved, steps[-2])
             return (steps[-2], *out)
 
-    def _move_damaged(self, step: int) -> str:
+    def _move_damaged(self, step: int, previous: int) -> str:
         """Move ``checkpoints/<step>`` to ``checkpoints_damaged/<step>-<time>`` (process 0; the
         others wait), so that the step can be saved again. Nothing is deleted."""
         src = os.path.join(self.directory, str(step))
@@ -178,8 +178,8 @@ class CheckpointManager:
                            f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
         if jax.process_index() == 0:
             if "://" in src:   # object stores have no rename; a copy of a damaged tree is the user's call
-                raise CheckpointError(f"{src} is damaged while step {step} - 1 or earlier restores: move "
-                                      f"{src} out of {self.directory} (e.g. gsutil -m mv) and rerun to resume")
+                raise CheckpointError(f"{src} is damaged while step {previous} restores: move {src} out of "
+                                      f"{self.directory} (e.g. gsutil -m mv) and rerun to resume from {previous}")
             os.makedirs(os.path.dirname(dst), exist_ok=True)
             shutil.move(src, dst)
         if jax.process_count() > 1:
