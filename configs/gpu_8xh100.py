@@ -1,4 +1,4 @@
-"""The paper's recipe (``configs/base.py``) on one host with 8 NVIDIA H100 or H200 GPUs.
+"""The recommended TaCL run (``configs/base.py``) on one host with 8 NVIDIA H100 or H200 GPUs.
 
 Hardware: 8 × H100/H200 (80/141 GB HBM) with NVLink, one process driving all 8 GPUs
 (``launch/gpu_single_host.sh``), or one process per GPU under SLURM

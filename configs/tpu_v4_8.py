@@ -1,4 +1,4 @@
-"""The paper's recipe (``configs/base.py``) on one Cloud TPU v4-8 host.
+"""The recommended TaCL run (``configs/base.py``) on one Cloud TPU v4-8 host.
 
 Hardware: TPU v4-8 = one host, 4 chips, 4 JAX devices (each chip's two TensorCores form one
 megacore device), 32 GiB HBM per chip (30.75 GiB usable); runtime ``tpu-ubuntu2204-base``, zone

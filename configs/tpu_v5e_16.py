@@ -1,4 +1,4 @@
-"""The paper's recipe (``configs/base.py``) on a Cloud TPU v5e-16 pod slice (``v5litepod-16``).
+"""The recommended TaCL run (``configs/base.py``) on a Cloud TPU v5e-16 pod slice (``v5litepod-16``).
 
 Hardware: 16 v5e chips on 4 hosts (4 chips and one JAX process each), 16 GiB HBM per chip;
 runtime ``v2-alpha-tpuv5-lite``, zone e.g. ``us-west4-a``. Every host runs the same command

@@ -48,6 +48,25 @@ _LENGTH_BUCKET = 16
 
 # ----------------------------------------------------------------------------- the statistic
 
+def unit(h: jax.Array) -> jax.Array:
+    """``h [..., H]`` as f32, L2-normalised along the last axis."""
+    h = h.astype(jnp.float32)
+    return h * jax.lax.rsqrt(jnp.maximum(jnp.sum(h * h, axis=-1, keepdims=True), 1e-24))
+
+
+def pair_cosine_sums(h: jax.Array, m: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``h [B, L, H]`` token states, ``m [B, L]`` 1 on the tokens to pair -> ``(Σ cos, pair count)``
+    over the pairs ``i < j`` of the same row with both ends in ``m`` (scalars, f32)."""
+    m = m.astype(jnp.float32)
+    length = h.shape[1]
+    upper = jnp.triu(jnp.ones((length, length), jnp.float32), k=1)               # i < j
+    pair_w = m[:, :, None] * m[:, None, :] * upper                               # [B, L, L]
+    h = unit(h)
+    cos = jnp.einsum("bid,bjd->bij", h, h, precision=jax.lax.Precision.HIGHEST)
+    n = m.sum(-1)
+    return jnp.sum(cos * pair_w), jnp.sum(n * (n - 1.0) / 2.0)
+
+
 @functools.lru_cache(maxsize=16)
 def _sums_fn(model):
     """Jitted ``(params, ids [B, L], mask [B, L]) -> (sums [N+1], counts [N+1])`` for ``model``."""
@@ -55,19 +74,8 @@ def _sums_fn(model):
     def fn(params, input_ids, attention_mask):
         out = model.apply({"params": params}, input_ids, attention_mask, jnp.zeros_like(input_ids),
                           deterministic=True, output_hidden_states=True, heads=False)
-        m = attention_mask.astype(jnp.float32)
-        length = input_ids.shape[1]
-        upper = jnp.triu(jnp.ones((length, length), jnp.float32), k=1)           # i < j
-        pair_w = m[:, :, None] * m[:, None, :] * upper                           # [B, L, L]
-        sums = []
-        for h in out.hidden_states:
-            h = h.astype(jnp.float32)
-            h = h * jax.lax.rsqrt(jnp.maximum(jnp.sum(h * h, axis=-1, keepdims=True), 1e-24))
-            cos = jnp.einsum("bid,bjd->bij", h, h, precision=jax.lax.Precision.HIGHEST)
-            sums.append(jnp.sum(cos * pair_w))
-        n = m.sum(-1)
-        count = jnp.sum(n * (n - 1.0) / 2.0)
-        return jnp.stack(sums), jnp.full((len(sums),), count)
+        sums, counts = zip(*(pair_cosine_sums(h, attention_mask) for h in out.hidden_states))
+        return jnp.stack(sums), jnp.stack(counts)
 
     return jax.jit(fn)
 
@@ -97,8 +105,7 @@ def _last_layer_fn(model):
     def fn(params, input_ids):
         out = model.apply({"params": params}, input_ids, jnp.ones_like(input_ids), jnp.zeros_like(input_ids),
                           deterministic=True, heads=False)
-        h = out.last_hidden_state[0].astype(jnp.float32)
-        h = h * jax.lax.rsqrt(jnp.maximum(jnp.sum(h * h, axis=-1, keepdims=True), 1e-24))
+        h = unit(out.last_hidden_state[0])
         return jnp.einsum("id,jd->ij", h, h, precision=jax.lax.Precision.HIGHEST)
 
     return jax.jit(fn)

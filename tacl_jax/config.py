@@ -25,7 +25,8 @@ from tacl_jax.data import config as data_config
 from tacl_jax.models import REMAT_POLICIES
 from tacl_jax.models.coco_lm import SAMPLE_MODES
 from tacl_jax.models.dropout import DROPOUT_BITS
-from tacl_jax.objectives.coco_lm import coco_lm_config
+from tacl_jax.objectives.coco_lm import CLM_FORMS, coco_lm_config
+from tacl_jax.objectives.masking import BUDGETS as MASKING_BUDGETS
 from tacl_jax.parallel import DISTRIBUTED_MODES
 
 OBJECTIVES = ("tacl", "mlm", "coco_lm")
@@ -88,13 +89,23 @@ def default_config() -> ml_collections.ConfigDict:
     c.masking.mask_prob = 0.15
     c.masking.replace_prob = 0.8         # of the selected: → [MASK]
     c.masking.random_prob = 0.1          # of the selected: → random token (rest unchanged)
-    c.masking.max_predictions = 0        # slots per sequence; 0 = round(mask_prob · max_len)
+    # slots per sequence; 0 = round(mask_prob · max_len) (budget 'tacl' with whole words: at least max_len // 4)
+    c.masking.max_predictions = 0
     c.masking.whole_word = False
+    # How many positions a row selects (tacl_jax.objectives.masking): 'bert' = max(1, round(mask_prob · n))
+    # sub-tokens, n the row's real tokens (whole words fill that budget: BERT's rule); 'tacl' = the TaCL
+    # authors' code: the same capped at max_len // 4 for sub-words, min(w // 4, max(1, round(mask_prob · w)))
+    # whole words of the row's w words with whole_word (every sub-token of them).
+    c.masking.budget = "bert"
 
     c.tacl = ml_collections.ConfigDict()
     c.tacl.temperature = 0.01
     c.tacl.mask_pad_keys = True          # False = keep [PAD] keys in the softmax (the original)
     c.tacl.teacher_dropout = False       # True = dropout in the teacher (the original's bug)
+    # Anchors of the contrastive loss: 'selected' = the masked positions (the paper and the authors'
+    # code); 'all' = every non-pad position (a control of bench/tacl_effect.py; needs the full last
+    # layer, so model.gather_last_layer is ignored).
+    c.tacl.anchors = "selected"
     # 'compute': the frozen teacher's matmul kernels stored in the compute dtype (no per-step cast,
     # outputs bit-identical to 'float32'); 'float32'; 'bfloat16' (every leaf, embeddings too).
     c.tacl.teacher_param_dtype = "compute"
@@ -296,8 +307,10 @@ CHECKS: dict[str, Range | OneOf] = {
     "masking.random_prob": PROB,
     # Slots per row (0 = round(mask_prob · max_len)); more slots than positions cannot be filled.
     "masking.max_predictions": Range(lo=0, hi="max_len"),
+    "masking.budget": OneOf(MASKING_BUDGETS),
     "tacl.temperature": POSITIVE,
     "tacl.teacher_param_dtype": OneOf(TEACHER_PARAM_DTYPES),
+    "tacl.anchors": OneOf(("selected", "all")),
     "loss_weights.mlm": NONNEG,
     "loss_weights.tacl": NONNEG,
     "loss_weights.nsp": NONNEG,
@@ -306,7 +319,11 @@ CHECKS: dict[str, Range | OneOf] = {
     "coco_lm.crop_fraction": Range(lo=0, hi=1, lo_open=True),
     "coco_lm.scl_dim": COUNT,             # 0 = the hidden size
     "coco_lm.temperature": POSITIVE,
-    "coco_lm.scl_negatives": OneOf(("global", "local")),
+    # SCL negatives within groups of this many sequences (0 = the whole micro-batch). Its fit to the
+    # batch, (global_batch_size / grad_accum_steps) % it == 0, is checked by the COCO-LM step only
+    # (coco_step.check_scl_groups): the default 16 must not refuse small TaCL/MLM batches.
+    "coco_lm.scl_group_size": COUNT,
+    "coco_lm.clm_form": OneOf(CLM_FORMS),
     "coco_lm.loss_weights.gen_mlm": NONNEG,
     "coco_lm.loss_weights.binary": NONNEG,
     "coco_lm.loss_weights.clm": NONNEG,
@@ -368,6 +385,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
     if c.masking.replace_prob + c.masking.random_prob > 1:
         raise ConfigError(f"config.masking: replace_prob + random_prob = {c.masking.replace_prob} + "
                          f"{c.masking.random_prob} > 1 (they split the selected tokens; the rest stay)")
+    if c.objective == "coco_lm" and c.masking.budget != "bert":
+        raise ConfigError(f"config.masking.budget={c.masking.budget!r} is not wired into the COCO-LM step "
+                         "(tacl_jax.train.coco_step), which masks with 'bert': use it with objective 'tacl' or 'mlm'")
     if sum(1 for a in ("data", "fsdp", "tensor") if c.mesh[a] == -1) > 1:
         raise ConfigError(f"config.mesh={dict(c.mesh)}: at most one axis may be -1")
 

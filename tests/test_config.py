@@ -152,6 +152,7 @@ def test_values_at_the_edges_pass(overrides):
     ({"masking.replace_prob": 0.9, "masking.random_prob": 0.2}, "replace_prob + random_prob = 0.9 + 0.2 > 1"),
     ({"mesh.data": -1, "mesh.fsdp": -1}, "at most one axis may be -1"),
     ({"global_batch_size": 8, "grad_accum_steps": 3}, "not divisible by grad_accum_steps 3"),
+    ({"objective": "coco_lm", "masking.budget": "tacl"}, "masking.budget='tacl' is not wired into the COCO-LM step"),
 ])
 def test_combinations_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message.replace("+", r"\+")):
@@ -178,6 +179,7 @@ def saved_of(c):
     ({"model.dtype": "bfloat16"}, [], ['model.dtype: "float32" -> "bfloat16"']),
     ({"model.remat_policy": "full", "model.gather_last_layer": False, "optim.fused": False}, [], []),
     ({"masking.mask_prob": 0.2}, ["masking.mask_prob: 0.15 -> 0.2"], []),
+    ({"masking.budget": "tacl"}, ['masking.budget: "bert" -> "tacl"'], []),
     ({"tacl.temperature": 0.1}, ["tacl.temperature: 0.01 -> 0.1"], []),
     ({"tacl.teacher_param_dtype": "float32"}, [], ['tacl.teacher_param_dtype: "compute" -> "float32"']),
     ({"loss_weights.tacl": 0.5}, ["loss_weights.tacl: 1.0 -> 0.5"], []),

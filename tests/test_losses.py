@@ -108,3 +108,41 @@ def test_mlm_loss_matches_naive_loop():
                 hit.append(np.argmax(z) == targets[b, p])
     np.testing.assert_allclose(float(loss), np.mean(nll), rtol=1e-5)
     np.testing.assert_allclose(float(acc), np.mean(hit), atol=1e-7)
+
+
+def test_every_position_as_anchor_matches_naive_loop():
+    """``tacl.anchors='all'``: objective_sums with an ``anchor_mask`` takes every position it marks
+    as an anchor (not only the selected slots); the mean equals the per-anchor loop over them."""
+    from tacl_jax.objectives import objective_sums
+    from tacl_jax.objectives.masking import Masked
+
+    rng = np.random.default_rng(5)
+    b, length, h, p = 2, 8, 6, 3
+    ht = rng.normal(size=(b, length, h)).astype(np.float32)
+    hs = (ht + rng.normal(size=(b, length, h))).astype(np.float32)
+    real = np.ones((b, length), np.int32)
+    real[1, 5:] = 0
+    positions = np.array([[1, 2, 3], [1, 2, 0]], np.int32)
+    weights = np.array([[1, 1, 1], [1, 1, 0]], np.float32)
+    masked = Masked(input_ids=jnp.zeros((b, length), jnp.int32), selected=jnp.zeros((b, length), bool),
+                    positions=jnp.asarray(positions), targets=jnp.zeros((b, p), jnp.int32),
+                    weights=jnp.asarray(weights))
+    sums = objective_sums(mlm_logits=None, masked=masked, student_hidden=jnp.asarray(hs),
+                          teacher_hidden=jnp.asarray(ht), key_mask=jnp.asarray(real), temperature=0.05,
+                          anchor_mask=jnp.asarray(real))
+    ref_loss, ref_acc = _naive_tacl(hs, ht, real.astype(bool), real, 0.05)
+    assert float(sums["n_anchor"]) == real.sum()
+    np.testing.assert_allclose(float(sums["tacl_nll"] / sums["n_anchor"]), ref_loss, rtol=2e-4)
+    np.testing.assert_allclose(float(sums["tacl_correct"] / sums["n_anchor"]), ref_acc, atol=1e-6)
+
+
+def test_every_position_as_anchor_turns_off_the_gathered_last_layer():
+    from tacl_jax.config import default_config
+    from tacl_jax.train.step import step_config_from
+
+    c = default_config()
+    special = dict(pad=0, cls=101, sep=102, mask=103, unk=100)
+    assert step_config_from(c, special).gather_last_layer
+    c.tacl.anchors = "all"
+    sc = step_config_from(c, special)
+    assert sc.anchors == "all" and not sc.gather_last_layer

@@ -1,4 +1,5 @@
-"""bench/tacl_effect.py's multi-seed summary against numpy on made-up per-seed results."""
+"""bench/tacl_effect.py's statistics (paired differences, sign counts) against numpy on made-up
+per-seed results, its arms and its corpus split."""
 
 import importlib.util
 import os
@@ -17,39 +18,82 @@ def tacl_effect():
     return mod
 
 
-def _result(rng, names=("init", "mlm_only", "tacl")):
-    return {n: dict(last_layer_self_similarity=float(rng.uniform(0.2, 0.5)), heldout_mlm_acc=float(rng.uniform(0, 0.4)),
-                    heldout_mlm_loss=float(rng.uniform(4, 11))) for n in names}
+def _result(rng, layers=3):
+    r = {k: [float(v) for v in rng.uniform(0, 1, layers)] for k in ("self_similarity", "top_pc_share")}
+    r.update(heldout_mlm_acc=float(rng.uniform(0, 0.4)), heldout_mlm_loss=float(rng.uniform(4, 11)))
+    return r
 
 
 def test_summary_matches_numpy(tacl_effect):
     rng = np.random.default_rng(0)
-    per_seed = {s: _result(rng) for s in (0, 3, 7)}
+    names = ("init", "mlm", "tacl", "tau=0.1", "peer:mlm", "peer:tacl")
+    per_seed = {s: {n: _result(rng) for n in names} for s in (0, 3, 7)}
     s = tacl_effect.summarize(per_seed)
-    for name in ("init", "mlm_only", "tacl"):
-        for k in ("last_layer_self_similarity", "heldout_mlm_acc", "heldout_mlm_loss"):
-            v = np.array([r[name][k] for r in per_seed.values()])
-            assert s[name][k]["mean"] == pytest.approx(v.mean(), abs=1e-12)
-            assert s[name][k]["std"] == pytest.approx(v.std(ddof=1), abs=1e-12)
-            assert s[name][k]["n"] == 3
-    d = np.array([r["tacl"]["last_layer_self_similarity"] - r["mlm_only"]["last_layer_self_similarity"]
-                  for r in per_seed.values()])
-    diff = s["tacl_minus_mlm_only"]
-    assert diff["last_layer_self_similarity"]["mean"] == pytest.approx(d.mean(), abs=1e-12)
-    assert diff["last_layer_self_similarity"]["std"] == pytest.approx(d.std(ddof=1), abs=1e-12)
-    assert list(diff["per_seed_self_similarity"]) == [0, 3, 7]
-    assert diff["per_seed_self_similarity"][3] == pytest.approx(d[1])
-    acc = [r["tacl"]["heldout_mlm_acc"] - r["mlm_only"]["heldout_mlm_acc"] for r in per_seed.values()]
-    assert diff["heldout_mlm_acc"]["mean"] == pytest.approx(np.mean(acc), abs=1e-12)
-    assert s["tacl_lower_self_similarity"] == f"{int((d < 0).sum())} of 3 seeds"
+    assert s["seeds"] == [0, 3, 7]
+    for name in names:
+        for k, (measure, layer) in {"self_similarity@last": ("self_similarity", -1),
+                                    "top_pc_share@1": ("top_pc_share", 1)}.items():
+            v = np.array([r[name][measure][layer] for r in per_seed.values()])
+            assert s["models"][name][k]["mean"] == pytest.approx(v.mean(), abs=1e-12)
+            assert s["models"][name][k]["sd"] == pytest.approx(v.std(ddof=1), abs=1e-12)
+            assert s["models"][name][k]["n"] == 3
+    assert set(s["minus_baseline"]) == {"tacl", "tau=0.1", "peer:tacl"}     # init and the baselines unpaired
+    for name, base in (("tacl", "mlm"), ("tau=0.1", "mlm"), ("peer:tacl", "peer:mlm")):
+        d = np.array([r[name]["self_similarity"][-1] - r[base]["self_similarity"][-1] for r in per_seed.values()])
+        got = s["minus_baseline"][name]["self_similarity@last"]
+        assert got["mean"] == pytest.approx(d.mean(), abs=1e-12)
+        assert got["sd"] == pytest.approx(d.std(ddof=1), abs=1e-12)
+        assert got["per_seed"][3] == pytest.approx(d[1])
+        assert got["lower"] == f"{int((d < 0).sum())} of 3"
+    acc = [r["tacl"]["heldout_mlm_acc"] - r["mlm"]["heldout_mlm_acc"] for r in per_seed.values()]
+    assert s["minus_baseline"]["tacl"]["heldout_mlm_acc"]["mean"] == pytest.approx(np.mean(acc), abs=1e-12)
 
 
-def test_summary_counts_seeds_with_tacl_lower(tacl_effect):
+def test_summary_counts_seeds_lower_and_skips_missing_models(tacl_effect):
     def res(mlm, tacl):
-        return dict(mlm_only=dict(last_layer_self_similarity=mlm, heldout_mlm_acc=0.3, heldout_mlm_loss=5.0),
-                    tacl=dict(last_layer_self_similarity=tacl, heldout_mlm_acc=0.3, heldout_mlm_loss=5.0))
+        return dict(mlm=dict(self_similarity=[0.5, mlm]), tacl=dict(self_similarity=[0.5, tacl]))
 
-    s = tacl_effect.summarize({0: res(0.24, 0.22), 1: res(0.25, 0.26), 2: res(0.30, 0.20)})
-    assert s["tacl_lower_self_similarity"] == "2 of 3 seeds"
-    assert "init" not in s                     # only the models every seed has
-    assert s["tacl_minus_mlm_only"]["last_layer_self_similarity"]["mean"] == pytest.approx((-0.02 + 0.01 - 0.10) / 3)
+    per_seed = {0: res(0.24, 0.22), 1: res(0.25, 0.26), 2: res(0.30, 0.20)}
+    per_seed[1]["tau=0.1"] = dict(self_similarity=[0.5, 0.1])       # only one seed has it: left out
+    s = tacl_effect.summarize(per_seed)
+    d = s["minus_baseline"]["tacl"]["self_similarity@last"]
+    assert d["lower"] == "2 of 3"
+    assert d["mean"] == pytest.approx((-0.02 + 0.01 - 0.10) / 3)
+    assert "tau=0.1" not in s["models"]
+
+
+def test_arms_parse_and_refuse_unknown(tacl_effect):
+    assert tacl_effect.arm_spec("tau=0.05") == ("tacl", {"tacl.temperature": 0.05})
+    assert tacl_effect.arm_spec("tacl_only") == ("tacl", {"loss_weights.mlm": 0.0})
+    with pytest.raises(SystemExit, match="unknown arm 'tacll'"):
+        tacl_effect.arm_spec("tacll")
+
+
+def test_arm_overrides_are_valid_config_keys(tacl_effect):
+    """Every arm's overrides land on existing keys and pass the config's validation."""
+    import argparse
+
+    from tacl_jax import config as config_lib
+
+    args = argparse.Namespace(max_len=64, batch=16, lr=1e-4, seed=0)
+    for arm in list(tacl_effect.ARMS) + ["tau=0.1"]:
+        objective, overrides = tacl_effect.arm_spec(arm)
+        c = tacl_effect.make_config(objective, overrides, init="/x", train="/y.txt", steps=10, args=args)
+        for key, value in overrides.items():
+            node = c
+            for part in key.split("."):
+                node = node[part]
+            assert node == value
+        config_lib.validate(c)
+
+
+def test_split_corpus_cuts_at_a_heading_near_the_middle(tacl_effect, tmp_path):
+    lines = []
+    for a in range(6):
+        lines += [f" = Article {a} = ", ""] + [f" sentence {a} {i} ." for i in range(10 * (a + 1))] + [""]
+    src = tmp_path / "wiki.txt"
+    src.write_text("\n".join(lines))
+    first, second = tacl_effect.split_corpus(str(src), str(tmp_path / "out"))
+    a, b = open(first).read(), open(second).read()
+    assert b.startswith(" = Article 4 = ")             # articles 0-3: 100 lines, 4-5: 110 lines
+    assert a.split("\n")[:-1] + b.split("\n")[:-1] == lines

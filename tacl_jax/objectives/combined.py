@@ -25,19 +25,26 @@ RATIOS = {"mlm_loss": ("mlm_nll", "n_pred"), "mlm_acc": ("mlm_correct", "n_pred"
 def objective_sums(*, mlm_logits: jax.Array | None, masked: Masked, student_hidden: jax.Array | None = None,
                    teacher_hidden: jax.Array | None = None, key_mask: jax.Array | None = None,
                    temperature: float = 0.01, nsp_logits: jax.Array | None = None,
-                   nsp_labels: jax.Array | None = None, student_at_slots: bool = False) -> dict[str, jax.Array]:
+                   nsp_labels: jax.Array | None = None, student_at_slots: bool = False,
+                   anchor_mask: jax.Array | None = None) -> dict[str, jax.Array]:
     """Loss sums and counts of one (micro-)batch. Shapes: ``mlm_logits [B, P, V]`` at
     ``masked.positions``, ``teacher_hidden [B, L, H]``, ``student_hidden [B, L, H]`` or, with
     ``student_at_slots``, ``[B, P, H]`` at ``masked.positions`` (the gathered last layer); the
     anchors are the slots of weight 1 either way (the same set as ``masked.selected``), ``key_mask
     [B, L]`` or None, ``nsp_logits [B, 2]``, ``nsp_labels [B]``. Terms whose inputs are None are
-    left out."""
+    left out. ``anchor_mask [B, L]`` (config ``tacl.anchors='all'``) makes every position where it
+    is 1 an anchor instead of the selected ones; ``student_hidden`` is then ``[B, L, H]``."""
     out = {}
     if mlm_logits is not None:
         nll, correct = mlm_per_position(mlm_logits, masked.targets)
         w = masked.weights
         out.update(mlm_nll=(nll * w).sum(), mlm_correct=(correct * w).sum(), n_pred=w.sum())
-    if teacher_hidden is not None:
+    if teacher_hidden is not None and anchor_mask is not None:
+        every = jnp.broadcast_to(jnp.arange(student_hidden.shape[1], dtype=jnp.int32), student_hidden.shape[:2])
+        nll, correct = token_contrastive_at(student_hidden, teacher_hidden, every, key_mask, temperature)
+        m = anchor_mask.astype(jnp.float32)
+        out.update(tacl_nll=(nll * m).sum(), tacl_correct=(correct * m).sum(), n_anchor=m.sum())
+    elif teacher_hidden is not None:
         # Only the anchors' scores are needed: [B, P, L], not [B, L, L] (padding slots weigh 0).
         anchors = student_hidden if student_at_slots else jnp.take_along_axis(
             student_hidden, masked.positions[..., None].astype(jnp.int32), axis=1)

@@ -16,8 +16,14 @@ dropout off). The generator's gradient never flows through the sampling: the sam
 integers drawn from a pass under ``stop_gradient``; the two networks interact only through the
 shared embeddings.
 
-SCL negatives come from the (micro-)batch being computed: with ``grad_accum_steps`` = k, from the
-global micro-batch of B/k sequences ('global') or from each data shard's part of it ('local').
+SCL negatives (``coco_lm.scl_group_size`` = G > 0): within fixed groups of G sequences of the
+step's global batch, rows ``[g·G, (g+1)·G)``, the same groups on any mesh and with any
+``grad_accum_steps`` (the posted loss takes them from each GPU's local batch: 16 sequences in the
+reconstructed recipe). With k micro-batches each group must lie in one of them, so B/k must be a
+multiple of G (``coco_step_config_from`` says so); ``_group_micro_order`` then orders the rows so
+that ``step.accumulate``'s split hands out whole groups, each data shard's from its own rows when
+B/(k·shards) is a multiple of G as well (no communication: each device's SCL is local). G = 0:
+the whole (micro-)batch being computed, B/k sequences, gathered across the data shards.
 """
 
 from __future__ import annotations
@@ -31,9 +37,10 @@ import jax.numpy as jnp
 import optax
 
 from tacl_jax import flops as flops_lib
+from tacl_jax.errors import ConfigError
 from tacl_jax.models.coco_lm import SAMPLE_MODES, CocoLM
 from tacl_jax.objectives import mask_tokens, num_predictions
-from tacl_jax.objectives.coco_lm import (TERMS, coco_ratios, coco_sums, coco_total, corrupt, crop_views,
+from tacl_jax.objectives.coco_lm import (CLM_FORMS, TERMS, coco_ratios, coco_sums, coco_total, corrupt, crop_views,
                                          nt_xent_per_view, sample_tokens)
 from tacl_jax.train import setup
 from tacl_jax.train.state import TrainState
@@ -58,42 +65,66 @@ class CocoStepConfig:
     sample_mode: str = "eval"
     crop_fraction: float = 0.9
     temperature: float = 1.0
-    scl_groups: int = 1                  # 1 = global negatives; the data-parallel size = local
+    scl_group_size: int = 16             # SCL negatives within groups of this many rows; 0 = the micro-batch
+    clm_form: str = "weighted_ce"        # objectives.coco_lm.CLM_FORMS
     weights: tuple[tuple[str, float], ...] = (("binary", 50.0), ("clm", 1.0), ("gen_mlm", 1.0), ("scl", 1.0))
     grad_accum_steps: int = 1
 
     def __post_init__(self):
         if self.sample_mode not in SAMPLE_MODES:
             raise ValueError(f"coco_lm.generator_sample_mode={self.sample_mode!r}: use one of {SAMPLE_MODES}")
+        if self.clm_form not in CLM_FORMS:
+            raise ValueError(f"coco_lm.clm_form={self.clm_form!r}: use one of {CLM_FORMS}")
+        if self.scl_group_size < 0:
+            raise ValueError(f"coco_lm.scl_group_size={self.scl_group_size}: use 0 (the whole micro-batch) or more")
         unknown = set(dict(self.weights)) - set(TERMS)
         if unknown:
             raise ValueError(f"coco_lm.loss_weights has unknown terms {sorted(unknown)}; known: {sorted(TERMS)}")
 
 
 def coco_step_config_from(config, special: dict[str, int], mesh=None) -> CocoStepConfig:
-    """From the run's config (``config.masking``, ``config.coco_lm``) and the special ids; ``mesh``
-    is needed for ``coco_lm.scl_negatives='local'`` (one negative group per data shard)."""
+    """From the run's config (``config.masking``, ``config.coco_lm``) and the special ids.
+    ``mesh`` is accepted for the callers and not needed: the SCL groups do not depend on it.
+    A ``ConfigError`` names the fix when the micro-batch does not split into SCL groups."""
+    del mesh
     m, c = config.masking, config.coco_lm
-    if c.scl_negatives not in ("global", "local"):
-        raise ValueError(f"coco_lm.scl_negatives={c.scl_negatives!r}: use 'global' or 'local'")
+    if "scl_negatives" in c:
+        raise ConfigError(f"coco_lm.scl_negatives={c.scl_negatives!r} was replaced by coco_lm.scl_group_size "
+                          "(negatives within fixed groups of that many sequences, the same on any mesh): "
+                          "'global' is scl_group_size=0; for 'local' set scl_group_size to the rows per device "
+                          "per micro-batch (the posted recipe's 16); remove scl_negatives")
     if c.generator_layers < 1 or not 0 < c.crop_fraction <= 1 or c.temperature <= 0:
         raise ValueError("coco_lm: need generator_layers >= 1, 0 < crop_fraction <= 1 and temperature > 0")
     if m.replace_prob != 1.0:
         log.warning("COCO-LM masks every selected token with [MASK]; config.masking.replace_prob=%s "
                     "(the COCO-LM configs set 1.0)", m.replace_prob)
-    groups = 1
-    if c.scl_negatives == "local":
-        if mesh is None:
-            raise ValueError("coco_lm.scl_negatives='local' needs the mesh (one group per data shard)")
-        groups = mesh.shape["data"] * mesh.shape["fsdp"]
+    g = int(c.scl_group_size)
+    if g < 0:
+        raise ConfigError(f"coco_lm.scl_group_size={g}: use 0 (the whole micro-batch) or a group size >= 1")
+    if g and c.loss_weights.get("scl", 0.0):
+        check_scl_groups(config.global_batch_size, config.grad_accum_steps, g)
     max_pred = m.max_predictions if m.max_predictions > 0 else num_predictions(config.max_len, m.mask_prob)
     return CocoStepConfig(
         max_predictions=int(max_pred), mask_id=int(special["mask"]), cls_id=int(special["cls"]),
         pad_id=int(special["pad"]), special_ids=tuple(int(special[k]) for k in ("pad", "cls", "sep", "mask", "unk")),
         mask_prob=m.mask_prob, replace_prob=m.replace_prob, random_prob=m.random_prob, whole_word=m.whole_word,
         sample_mode=c.generator_sample_mode, crop_fraction=c.crop_fraction, temperature=c.temperature,
-        scl_groups=groups, weights=tuple(sorted(dict(c.loss_weights).items())),
+        scl_group_size=g, clm_form=c.clm_form, weights=tuple(sorted(dict(c.loss_weights).items())),
         grad_accum_steps=config.grad_accum_steps)
+
+
+def check_scl_groups(batch: int, k: int, group_size: int) -> None:
+    """``ConfigError`` unless each of the ``k`` micro-batches of a global batch of ``batch`` rows
+    holds whole SCL groups of ``group_size`` (``(batch / k) % group_size == 0``), naming the fix."""
+    if batch % k or (batch // k) % group_size == 0:
+        return                    # batch % k: config.validate's error
+    ks = [d for d in range(1, batch + 1) if batch % d == 0 and (batch // d) % group_size == 0]
+    fix = (f"use grad_accum_steps in {ks} (micro-batches of {', '.join(str(batch // d) for d in ks)})" if ks else
+           f"use a global_batch_size that is a multiple of {group_size}")
+    raise ConfigError(f"coco_lm.scl_group_size={group_size}: a micro-batch of {batch // k} sequences "
+                      f"(global_batch_size {batch} / grad_accum_steps {k}) does not hold whole SCL negative groups "
+                      f"of {group_size} (each group must lie in one micro-batch); {fix}, or set "
+                      f"coco_lm.scl_group_size to a divisor of {batch // k} (0 = the whole micro-batch)")
 
 
 def build_coco_model(config, platform: str | None = None) -> tuple[CocoLM, dict | None]:
@@ -188,35 +219,62 @@ def make_coco_loss_fn(model: CocoLM, sc: CocoStepConfig, deterministic: bool = F
         sums = coco_sums(gen_logits=gen_logits, targets=mb["targets"], weights=mb["weights"], replaced=replaced,
                          attention_mask=mb["attention_mask"], binary_logits=binary_logits, clm_logits=clm_logits,
                          positions=mb["positions"], scl_q=None if sharded_scl else scl_q,
-                         scl_k=None if sharded_scl else scl_k, temperature=sc.temperature, scl_groups=sc.scl_groups)
+                         scl_k=None if sharded_scl else scl_k, temperature=sc.temperature,
+                         scl_group_size=sc.scl_group_size, clm_form=sc.clm_form)
         if sharded_scl:
-            sums.update(_scl_sums_of_shard(scl_q, scl_k, sc.temperature, sc.scl_groups, data_axis))
+            sums.update(_scl_sums_of_shard(scl_q, scl_k, sc.temperature, sc.scl_group_size, data_axis))
         return coco_total(sums, counts, weights), sums
 
     return loss_fn
 
 
-def _scl_sums_of_shard(q: jax.Array, k: jax.Array, temperature: float, groups: int, axis: str) -> dict:
+def _scl_sums_of_shard(q: jax.Array, k: jax.Array, temperature: float, group_size: int, axis: str) -> dict:
     """SCL sums (``scl_nll``, ``scl_correct``, ``n_view``) of this shard's views, inside a
     ``shard_map`` manual over ``axis`` whose shards hold contiguous row blocks ``q, k [b, D]``
-    of the micro-batch. Negatives as on the whole micro-batch: with ``groups`` = 1 (global) the
-    views of every shard are all-gathered (``[B/k, D]`` f32, 0.2 MB per view for coco_lm_base;
-    autodiff returns each shard its rows' cotangents by a reduce-scatter: the only collectives
-    in the accumulation loop) and this shard's anchors kept; with local
-    groups (a multiple of the axis size, one per data shard) each group already lies in one
-    shard's rows. Summed over the shards: ``coco_sums``'s SCL terms on the whole micro-batch."""
-    n = jax.lax.axis_size(axis)
-    if groups % n == 0:
-        nll, correct = nt_xent_per_view(q, k, temperature, groups // n)
-    elif groups == 1:
-        b = q.shape[0]
+    of the micro-batch. Negatives as on the whole micro-batch (groups of ``group_size`` of its
+    rows, 0 = all): when ``b`` is a multiple of the group size each group lies in this shard's
+    rows (no communication; ``_group_micro_order`` arranges it where it can); otherwise the
+    views of every shard are all-gathered (``[B/k, D]`` f32, 0.2 MB per view for coco_lm_base
+    with G = 0; autodiff returns each shard its rows' cotangents by a reduce-scatter) and this
+    shard's anchors kept. Summed over the shards: ``coco_sums``'s SCL terms on the whole
+    micro-batch."""
+    b = q.shape[0]
+    if group_size and b % group_size == 0:
+        nll, correct = nt_xent_per_view(q, k, temperature, group_size)
+    else:
         gather = lambda x: jax.lax.all_gather(x, axis, tiled=True)
-        nll, correct = nt_xent_per_view(gather(q), gather(k), temperature, 1)
+        nll, correct = nt_xent_per_view(gather(q), gather(k), temperature, group_size)
         mine = lambda x: jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis) * b, b, axis=1)
         nll, correct = mine(nll), mine(correct)
-    else:
-        raise ValueError(f"{groups} SCL negative groups do not split over the {n} shards of mesh axis {axis!r}")
     return dict(scl_nll=nll.sum(), scl_correct=correct.sum(), n_view=jnp.asarray(nll.size, jnp.float32))
+
+
+def _batch_shards() -> int:
+    """Row shards of the batch on the ambient mesh (``data`` × ``fsdp``; 1 outside a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    shape = dict(mesh.shape)
+    return int(shape.get("data", 1)) * int(shape.get("fsdp", 1))
+
+
+def _group_micro_order(mb: dict, k: int, group_size: int, shards: int) -> dict:
+    """The rows of the global batch ``mb`` (leaves ``[B, ...]``) reordered so that
+    ``step.accumulate``'s strided split (micro-batch i = rows i, i+k, i+2k, ...) yields micro-batches
+    of whole SCL groups: rows viewed as ``[c, k, B/(c·k)]`` blocks, micro-batch i = the blocks
+    ``[:, i]``, with ``B/(c·k)`` a multiple of ``group_size`` so each contiguous group
+    ``[g·G, (g+1)·G)`` lies in one block. ``c`` = the largest divisor of ``shards`` that allows it:
+    with ``c = shards`` every block is inside one device's rows (the permutation is local: no
+    communication, and each device's share of a micro-batch is one block); ``c = 1`` (micro-batch
+    i = rows ``[i·B/k, (i+1)·B/k)``) always works once ``(B/k) % G == 0``."""
+    b = jax.tree.leaves(mb)[0].shape[0]
+    ok = [c for c in range(1, shards + 1)
+          if shards % c == 0 and b % (c * k) == 0 and (b // (c * k)) % group_size == 0]
+    if not ok:
+        raise ValueError(f"coco_lm.scl_group_size={group_size}: a micro-batch of {b // k} rows (batch {b} / "
+                         f"grad_accum_steps {k}) does not hold whole SCL groups")
+    c = max(ok)
+    return jax.tree.map(lambda x: x.reshape((c, k, b // (c * k)) + x.shape[1:]).swapaxes(1, 2).reshape(x.shape), mb)
 
 
 def _counts(mb: dict) -> dict[str, jax.Array]:
@@ -229,9 +287,11 @@ def make_coco_loss_and_grads(model: CocoLM, sc: CocoStepConfig) -> Callable:
     """``loss_and_grads(params, batch, step_rng) -> (loss, sums, grads)`` for one global batch,
     accumulated over ``grad_accum_steps`` micro-batches with global-count denominators
     (``step.accumulate``: the gradients are reduced across data-parallel devices once per
-    step; there each device's loss gathers the SCL views of the whole micro-batch)."""
+    step; with SCL groups the rows are first ordered by ``_group_micro_order``, and each
+    device's loss sees the negatives of its groups, ``_scl_sums_of_shard``)."""
     loss_fn = make_coco_loss_fn(model, sc)
     shard_loss_fn = make_coco_loss_fn(model, sc, data_axis=ACCUM_AXIS)
+    use_scl = dict(sc.weights).get("scl", 0.0) != 0.0
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def loss_and_grads(params, batch: dict, step_rng: jax.Array):
@@ -242,6 +302,8 @@ def make_coco_loss_and_grads(model: CocoLM, sc: CocoStepConfig) -> Callable:
         if k == 1:
             (loss, sums), grads = grad_fn(params, mb, counts, dropout_rng)
             return loss, sums, grads
+        if use_scl and sc.scl_group_size:
+            mb = _group_micro_order(mb, k, sc.scl_group_size, _batch_shards())
         return accumulate(lambda p, _, m, c, r: loss_fn(p, m, c, r), params, None, mb, counts, dropout_rng, k,
                           shard_loss_fn=lambda p, _, m, c, r: shard_loss_fn(p, m, c, r))
 
@@ -298,6 +360,6 @@ def coco_step_flops(model: CocoLM, sc: CocoStepConfig, *, batch: int, length: in
     return float(3 * gen_fwd + (gen_fwd if sc.sample_mode == "eval" else 0.0) + 3 * main_fwd)
 
 
-__all__ = ["CocoStepConfig", "coco_step_config_from", "build_coco_model", "create_coco_state", "init_coco_state",
-           "prepare_batch", "make_coco_loss_fn", "make_coco_loss_and_grads", "make_coco_train_step",
+__all__ = ["CocoStepConfig", "coco_step_config_from", "check_scl_groups", "build_coco_model", "create_coco_state",
+           "init_coco_state", "prepare_batch", "make_coco_loss_fn", "make_coco_loss_and_grads", "make_coco_train_step",
            "make_coco_eval_step", "coco_step_flops"]

@@ -39,9 +39,11 @@ class StepConfig:
     replace_prob: float = 0.8
     random_prob: float = 0.1
     whole_word: bool = False
+    budget: str = "bert"                # how many positions a row selects (config masking.budget)
     temperature: float = 0.01
     mask_pad_keys: bool = True
     teacher_dropout: bool = False
+    anchors: str = "selected"           # 'selected' | 'all' (every non-pad position; config tacl.anchors)
     nsp: bool = False
     # The student's last layer only at the predicted positions (BertModel's last_layer_positions):
     # with NSP off, MLM and TaCL read nothing else of it.
@@ -209,7 +211,8 @@ def make_loss_and_grads(model: BertModel, step_cfg: StepConfig,
             mlm_logits=out.mlm_logits, masked=_masked_from(mb), student_hidden=out.last_hidden_state,
             teacher_hidden=teacher_hidden, key_mask=mb["attention_mask"] if sc.mask_pad_keys else None,
             temperature=sc.temperature, nsp_logits=out.nsp_logits if sc.nsp else None,
-            nsp_labels=mb.get("next_sentence_label"), student_at_slots=sc.gather_last_layer)
+            nsp_labels=mb.get("next_sentence_label"), student_at_slots=sc.gather_last_layer,
+            anchor_mask=mb["attention_mask"] if sc.anchors == "all" else None)
         return total_loss(sums, counts, weights), sums
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -220,7 +223,7 @@ def make_loss_and_grads(model: BertModel, step_cfg: StepConfig,
                              max_predictions=sc.max_predictions, mask_id=sc.mask_id, vocab_size=vocab_size,
                              special_ids=sc.special_ids, mask_prob=sc.mask_prob, replace_prob=sc.replace_prob,
                              random_prob=sc.random_prob,
-                             word_starts=batch.get("word_starts") if sc.whole_word else None)
+                             word_starts=batch.get("word_starts") if sc.whole_word else None, budget=sc.budget)
         mb = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                   token_type_ids=batch["token_type_ids"], masked_ids=masked.input_ids, selected=masked.selected,
                   positions=masked.positions, targets=masked.targets, weights=masked.weights)
@@ -228,7 +231,8 @@ def make_loss_and_grads(model: BertModel, step_cfg: StepConfig,
             mb["next_sentence_label"] = batch["next_sentence_label"]
         # Denominators of the whole global batch: each micro-batch's loss is its sum divided by
         # these, so accumulated gradients are weighted by token count exactly.
-        counts = dict(n_pred=masked.weights.sum(), n_anchor=masked.selected.sum().astype(jnp.float32),
+        anchors = batch["attention_mask"] if sc.anchors == "all" else masked.selected
+        counts = dict(n_pred=masked.weights.sum(), n_anchor=anchors.sum().astype(jnp.float32),
                       n_seq=jnp.asarray(batch["input_ids"].shape[0], jnp.float32))
         k = sc.grad_accum_steps
         if k == 1:
@@ -265,7 +269,8 @@ def make_eval_step(model: BertModel, step_cfg: StepConfig, teacher_model: BertMo
                              vocab_size=model.config.vocab_size, special_ids=step_cfg.special_ids,
                              mask_prob=step_cfg.mask_prob, replace_prob=step_cfg.replace_prob,
                              random_prob=step_cfg.random_prob,
-                             word_starts=batch.get("word_starts") if step_cfg.whole_word else None)
+                             word_starts=batch.get("word_starts") if step_cfg.whole_word else None,
+                             budget=step_cfg.budget)
         out = student_forward(model, step_cfg, params, masked.input_ids, batch["attention_mask"],
                               batch["token_type_ids"], masked.positions, deterministic=True)
         teacher_hidden = None
@@ -276,7 +281,8 @@ def make_eval_step(model: BertModel, step_cfg: StepConfig, teacher_model: BertMo
         return objective_sums(mlm_logits=out.mlm_logits, masked=masked, student_hidden=out.last_hidden_state,
                               teacher_hidden=teacher_hidden,
                               key_mask=batch["attention_mask"] if step_cfg.mask_pad_keys else None,
-                              temperature=step_cfg.temperature, student_at_slots=step_cfg.gather_last_layer)
+                              temperature=step_cfg.temperature, student_at_slots=step_cfg.gather_last_layer,
+                              anchor_mask=batch["attention_mask"] if step_cfg.anchors == "all" else None)
     return eval_step
 
 
@@ -290,14 +296,18 @@ def step_config_from(config, special: dict[str, int]) -> StepConfig:
     from tacl_jax.objectives import num_predictions
 
     m = config.masking
-    max_pred = m.max_predictions if m.max_predictions > 0 else num_predictions(config.max_len, m.mask_prob)
+    budget = m.get("budget", "bert")
+    max_pred = m.max_predictions if m.max_predictions > 0 else num_predictions(
+        config.max_len, m.mask_prob, budget=budget, whole_word=m.whole_word)
     return StepConfig(
         objective=config.objective, max_predictions=int(max_pred), mask_id=int(special["mask"]),
         special_ids=tuple(int(special[k]) for k in ("pad", "cls", "sep", "mask", "unk")),
-        mask_prob=m.mask_prob, replace_prob=m.replace_prob, random_prob=m.random_prob,
+        mask_prob=m.mask_prob, replace_prob=m.replace_prob, random_prob=m.random_prob, budget=budget,
         whole_word=m.whole_word, temperature=config.tacl.temperature, mask_pad_keys=config.tacl.mask_pad_keys,
-        teacher_dropout=config.tacl.teacher_dropout, nsp=config.nsp,
-        gather_last_layer=bool(config.model.get("gather_last_layer", True)),
+        teacher_dropout=config.tacl.teacher_dropout, nsp=config.nsp, anchors=config.tacl.get("anchors", "selected"),
+        # With every position an anchor the whole last layer is needed.
+        gather_last_layer=bool(config.model.get("gather_last_layer", True))
+        and config.tacl.get("anchors", "selected") == "selected",
         weights=tuple(sorted(dict(config.loss_weights).items())), grad_accum_steps=config.grad_accum_steps)
 
 
