@@ -61,6 +61,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.init.tokenizer_path = ""           # default: init.hf_path
     c.init.from_scratch = False          # required to train TaCL without hf_path (random teacher)
     c.init.params_from = ""              # another run's workdir: start from its latest params
+    # The step of init.params_from to start from (-1 = its latest). A fresh run records the step it
+    # used here, so a resumed TaCL run rebuilds its teacher from the same params.
+    c.init.params_from_step = -1
     # Architecture used only when there is no hf_path (from scratch, tests, benchmarks).
     c.init.scratch = ml_collections.ConfigDict(dict(
         vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
@@ -290,6 +293,7 @@ CHECKS: dict[str, Range | OneOf] = {
     "hf_export_every": COUNT,
     # Toy vocabularies put the special ids at 0..4 (tokens.default_special_ids): one regular id more.
     "init.scratch.vocab_size": Range(lo=6),
+    "init.params_from_step": Range(lo=-1),
     "init.scratch.hidden_size": POSITIVE_INT,
     "init.scratch.num_hidden_layers": POSITIVE_INT,
     "init.scratch.num_attention_heads": POSITIVE_INT,
@@ -469,6 +473,7 @@ RESUME_RULES: dict[str, str] = {
     "init.tokenizer_path": WARN,
     "init.from_scratch": IGNORE,
     "init.params_from": IGNORE,
+    "init.params_from_step": IGNORE,
     "optim": WARN,
     "optim.fused": IGNORE,
     "num_train_steps": WARN,
@@ -555,8 +560,9 @@ def resume_changes(saved: Mapping | None, config: ml_collections.ConfigDict) -> 
         ``model.dtype``, ``tacl.teacher_param_dtype``: compute and storage precision, same state.
     Neither (how the run is executed or reported, not what it learns): ``grad_accum_steps`` (the
     same weighted step), ``model.remat_policy``, ``model.gather_last_layer``, ``optim.fused`` (the
-    same math), ``init.from_scratch`` (a start-up guard), ``init.params_from`` (read only when the
-    workdir has no checkpoint), ``steps_per_run``, ``log_every``, ``eval_*``, ``hf_export_every``,
+    same math), ``init.from_scratch`` (a start-up guard), ``init.params_from`` and
+    ``init.params_from_step`` (the student's start is read only when the workdir has no checkpoint;
+    a resumed TaCL run without ``init.hf_path`` re-reads its teacher from the saved ones), ``steps_per_run``, ``log_every``, ``eval_*``, ``hf_export_every``,
     ``export_at_end``, ``demo_fill_mask``, ``profile_steps``, ``mesh*``, ``logical_axis_rules``,
     ``distributed.*``, ``checkpoint.*``, ``metrics.*``, ``analysis.*``, ``data.worker_count`` /
     ``read_threads`` / ``prefetch``.

@@ -289,3 +289,36 @@ def test_metric_rows_are_json_and_rows_past_the_resumed_step_are_dropped(tmp_pat
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[-1]["loss"] == "NaN" and rows[-1]["grad_norm"] == "Infinity"
     assert np.isnan(float(rows[-1]["loss"]))
+
+
+def test_a_run_resumed_from_params_from_keeps_its_teacher(tmp_path):
+    """A TaCL run started from another run's params (``init.params_from``, no ``hf_path``) records
+    the step it used; resumed, it rebuilds the teacher from that step — even after the other run
+    moved on — and ends equal to the uninterrupted run (before: a seed-initialised teacher)."""
+    src, ref_dir, run = tmp_path / "src", tmp_path / "ref", tmp_path / "run"
+    loop.train_and_evaluate(_quick(num_train_steps=2), str(src))
+
+    def config(**kw):
+        c = _quick(num_train_steps=4, **kw)
+        c.init.params_from = str(src)
+        c.checkpoint.every = 1
+        return c
+
+    ref = loop.train_and_evaluate(config(), str(ref_dir))
+    loop.train_and_evaluate(config(steps_per_run=2), str(run))
+    loop.train_and_evaluate(_quick(num_train_steps=3), str(src))      # the source's latest is now step 3
+    res = loop.train_and_evaluate(config(), str(run))
+    rows, ref_rows = _metric_rows(run), _metric_rows(ref_dir)
+    assert [r["tacl_loss"] for r in rows if "tacl_loss" in r] == [r["tacl_loss"] for r in ref_rows if "tacl_loss" in r]
+    for x, y in zip(jax.tree.leaves(jax.device_get(ref["state"].params)),
+                    jax.tree.leaves(jax.device_get(res["state"].params))):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_params_from_step_that_does_not_exist_is_named(tmp_path):
+    src = tmp_path / "src"
+    loop.train_and_evaluate(_quick(num_train_steps=2), str(src))
+    c = _quick(num_train_steps=2)
+    c.init.params_from, c.init.params_from_step = str(src), 7
+    with pytest.raises(checkpoint.CheckpointError, match=r"has no checkpoint of step 7 \(it has \[2\]\)"):
+        loop.train_and_evaluate(c, str(tmp_path / "run"))

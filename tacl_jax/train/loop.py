@@ -440,9 +440,16 @@ def _initial_state(config, prog, ckpt: checkpoint.CheckpointManager, workdir: st
     latest = ckpt.latest_step()
     if latest is not None:
         _check_config_unchanged(ckpt, latest, config, workdir)
-        step, state, data_state, _ = ckpt.restore_latest(abstract_state)
+        step, state, data_state, saved = ckpt.restore_latest(abstract_state)
         log.info("start-up: resuming from %s/%d", ckpt.directory, step)
-        # The teacher of a resumed TaCL run is re-read from where it came from (checkpoint docstring).
+        # The teacher of a resumed TaCL run is re-read from where it came from (checkpoint docstring):
+        # init.hf_path, or the saved run's init.params_from at the step the fresh start recorded.
+        saved_init = (saved or {}).get("init", {})
+        if (not config.init.hf_path and saved_init.get("params_from") and not prog.coco
+                and prog.step_cfg.uses_teacher):
+            _, teacher_params = _params_from(saved_init["params_from"], saved_init.get("params_from_step", -1),
+                                             config, abstract_state)
+            return state, data_state, teacher_params
         return state, data_state, hf_params_for(config, model)
     hf_params = hf_params_for(config, model)
     if config.init.hf_path:
@@ -452,22 +459,36 @@ def _initial_state(config, prog, ckpt: checkpoint.CheckpointManager, workdir: st
         state, _ = create(model, tx, mesh, rules, config.seed, config.max_len, hf_params)
         return state, None, hf_params
     if config.init.params_from:
-        other = checkpoint.CheckpointManager(config.init.params_from, config.checkpoint)
-        try:
-            found = other.restore_latest(abstract_state)
-        finally:
-            other.close()
-        if found is None:
-            raise FileNotFoundError(f"init.params_from={config.init.params_from!r} has no complete checkpoint")
-        log.info("start-up: no checkpoint in %s; params from %s/%d (optimizer state and step reset)",
-                 ckpt.directory, other.directory, found[0])
-        params = jax.device_get(found[1].params)
+        step, params = _params_from(config.init.params_from, config.init.params_from_step, config, abstract_state)
+        log.info("start-up: no checkpoint in %s; params from %s step %d (optimizer state and step reset)",
+                 ckpt.directory, config.init.params_from, step)
+        with config.unlocked():
+            config.init.params_from_step = step      # saved with every checkpoint: the teacher on resume
         state, _ = create_state(model, tx, mesh, rules, config.seed, config.max_len, params)
         return state, None, params
     log.info("start-up: no checkpoint in %s and no init.hf_path: from scratch (seed %d)",
              ckpt.directory, config.seed)
     state, _ = create_state(model, tx, mesh, rules, config.seed, config.max_len)
     return state, None, None
+
+
+def _params_from(workdir: str, step: int, config, abstract_state) -> tuple[int, Any]:
+    """``(step, params as numpy)`` of another run's checkpoint: ``step``, or its latest when -1."""
+    other = checkpoint.CheckpointManager(workdir, config.checkpoint)
+    try:
+        if step < 0:
+            found = other.restore_latest(abstract_state)
+        elif step in other.all_steps():
+            found = (step,) + tuple(other.restore(step, abstract_state))
+        else:
+            raise checkpoint.CheckpointError(
+                f"init.params_from={workdir!r} has no checkpoint of step {step} (it has "
+                f"{sorted(other.all_steps()) or 'none'}); set --config.init.params_from_step to one of them")
+    finally:
+        other.close()
+    if found is None:
+        raise FileNotFoundError(f"init.params_from={workdir!r} has no complete checkpoint")
+    return found[0], jax.device_get(found[1].params)
 
 
 def _check_config_unchanged(ckpt: checkpoint.CheckpointManager, step: int, config, workdir: str) -> None:
