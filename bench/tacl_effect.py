@@ -28,8 +28,9 @@ Measures of the init and of every arm (``tacl_jax.isotropy``, per layer, on ``--
 sentences of ``--heldout``, never trained on): self-similarity on plain sentences (the paper's
 statistic), self-similarity among the anchors on masked input, the top principal direction's
 share of the variance, |mean unit state|², mean cosine to the teacher (plain) and at the anchors
-(masked student vs plain teacher); and held-out MLM/TaCL loss and accuracy (the training loop's
-eval step, fixed masks, teacher = the init).
+(masked student vs plain teacher); TaCL's loss at the anchors with and without the student's
+common direction, at τ 0.01 and over a grid of τ; and held-out MLM/TaCL loss and accuracy (the
+training loop's eval step, fixed masks, teacher = the init).
 
 Every (seed, arm) result is cached in ``--out/seed_<s>/<arm>.json`` and skipped when present, so
 the study can be run piecewise; the run folders are deleted after measuring (``--keep_runs``
@@ -307,6 +308,11 @@ def scalars(result: dict) -> dict[str, float]:
             for layer, v in enumerate(result[k]):
                 out[f"{k}@{layer}"] = v
             out[f"{k}@last"] = result[k][-1]
+    from tacl_jax.isotropy import TAU_GRID
+
+    for k in ("anchor_tacl_loss_by_tau", "anchor_tacl_loss_decommon_by_tau"):
+        for tau, v in zip(TAU_GRID, result.get(k, ())):
+            out[f"{k}@{tau}"] = v
     for k in HELDOUT + ("last_layer_self_similarity",):
         if result.get(k) is not None:
             out[k] = result[k]
@@ -315,16 +321,18 @@ def scalars(result: dict) -> dict[str, float]:
 
 def summarize(per_seed: dict, baseline: str = "mlm") -> dict:
     """``per_seed``: seed -> {model name -> result}. Per model present in every seed: the mean/sd
-    over seeds of each scalar; per model other than ``baseline`` (and ``init``): the paired per-seed
-    differences model − baseline (mean/sd, the per-seed values, and ``lower``: "k of n" seeds where
-    the model is below the baseline). Peer models (``peer:<arm>``) are paired with ``peer:<baseline>``."""
+    over the seeds that have each scalar (``n``); per model other than ``baseline`` (and ``init``):
+    the paired per-seed differences model − baseline (mean/sd, the per-seed values, and ``lower``:
+    "k of n" seeds where the model is below the baseline). Peer models (``peer:<arm>``) are paired with ``peer:<baseline>``."""
     seeds = list(per_seed)
     names = [n for n in per_seed[seeds[0]] if all(n in per_seed[s] for s in seeds)]
     out = {"seeds": seeds, "models": {}, "minus_baseline": {}}
+    def keys_of(flats):     # every key, in first-seen order (a measure added later has fewer seeds: its n says so)
+        return list(dict.fromkeys(k for f in flats for k in f))
+
     for name in names:
         flat = [scalars(per_seed[s][name]) for s in seeds]
-        keys = [k for k in flat[0] if all(k in f for f in flat)]
-        out["models"][name] = {k: mean_sd([f[k] for f in flat]) for k in keys}
+        out["models"][name] = {k: mean_sd([f[k] for f in flat if k in f]) for k in keys_of(flat)}
     for name in names:
         base = ("peer:" + baseline) if name.startswith("peer:") else baseline
         if name in (base, "init", "peer:init") or base not in names:
@@ -332,11 +340,11 @@ def summarize(per_seed: dict, baseline: str = "mlm") -> dict:
         flat = [scalars(per_seed[s][name]) for s in seeds]
         ref = [scalars(per_seed[s][base]) for s in seeds]
         diffs = {}
-        for k in flat[0]:
-            if all(k in f for f in flat) and all(k in r for r in ref):
-                d = [f[k] - r[k] for f, r in zip(flat, ref)]
-                diffs[k] = dict(mean_sd(d), per_seed=dict(zip(seeds, d)),
-                                lower=f"{sum(x < 0 for x in d)} of {len(d)}")
+        for k in keys_of(flat):
+            pairs = [(s, f[k] - r[k]) for s, f, r in zip(seeds, flat, ref) if k in f and k in r]
+            if pairs:
+                d = [x for _, x in pairs]
+                diffs[k] = dict(mean_sd(d), per_seed=dict(pairs), lower=f"{sum(x < 0 for x in d)} of {len(d)}")
         out["minus_baseline"][name] = diffs
     return out
 

@@ -21,7 +21,10 @@ To find out *why* TaCL moves it, the effect study also needs, per layer ``l`` (0
   tokens projected out, then re-normalised; the direction is each batch's own). Softmax logits are shift-invariant, so a direction
   shared by all tokens changes TaCL's scores only by shrinking the rest of the unit vector: it
   lowers the effective scale 1/τ. If the loss gets *worse* without it, the common direction is
-  there to soften an over-confident τ.
+  there to soften an over-confident τ. Both are also given for a grid of temperatures
+  (``TAU_GRID``: ``anchor_tacl_loss_by_tau``, ``anchor_tacl_loss_decommon_by_tau``): if the states
+  without their common direction reach the same loss at a higher τ, the direction's only role is
+  the temperature.
 
 Everything is accumulated as float64 sums over batches on the host (:class:`Sums`) and divided
 at the end (:func:`finish`), so the numbers do not depend on the batching.
@@ -40,13 +43,23 @@ import numpy as np
 from tacl_jax.analyze import _batches, pair_cosine_sums, unit
 
 
-def _anchor_nll(um: jax.Array, ut: jax.Array, m: jax.Array, a: jax.Array, temperature: float) -> jax.Array:
+TAU_GRID = (0.01, 0.02, 0.05, 0.1, 0.2)
+
+
+def _anchor_nll(um: jax.Array, ut: jax.Array, m: jax.Array, a: jax.Array, temperature) -> jax.Array:
     """Σ over anchors of TaCL's −log softmax at the positive: ``um``/``ut [B, L, H]`` unit states,
-    ``m`` key mask, ``a`` anchors (``[B, L]``)."""
-    scores = jnp.einsum("bid,bjd->bij", um, ut, precision=jax.lax.Precision.HIGHEST) / temperature
-    scores = jnp.where(m[:, None, :] > 0, scores, -1e9)
-    nll = jax.nn.logsumexp(scores, -1) - jnp.diagonal(scores, axis1=1, axis2=2)
-    return jnp.sum(nll * a)
+    ``m`` key mask, ``a`` anchors (``[B, L]``); ``temperature`` a float (-> scalar) or a tuple of
+    ``T`` (-> ``[T]``)."""
+    cos = jnp.einsum("bid,bjd->bij", um, ut, precision=jax.lax.Precision.HIGHEST)
+    cos = jnp.where(m[:, None, :] > 0, cos, -jnp.inf)                         # pad keys out
+
+    def one(t):
+        scores = jnp.maximum(cos / t, -1e9)
+        nll = jax.nn.logsumexp(scores, -1) - jnp.diagonal(scores, axis1=1, axis2=2)
+        return jnp.sum(nll * a)
+    if isinstance(temperature, (tuple, list)):
+        return jnp.stack([one(t) for t in temperature])
+    return one(temperature)
 
 
 def batch_sums(student_states: Sequence[jax.Array], masked_states: Sequence[jax.Array],
@@ -85,6 +98,8 @@ def batch_sums(student_states: Sequence[jax.Array], masked_states: Sequence[jax.
     decommon = unit(um_last - jnp.sum(um_last * common, -1, keepdims=True) * common)
     res["anchor_nll_sum"] = _anchor_nll(um_last, ut_last, m, a, temperature)
     res["anchor_nll_decommon_sum"] = _anchor_nll(decommon, ut_last, m, a, temperature)
+    res["anchor_nll_grid_sum"] = _anchor_nll(um_last, ut_last, m, a, TAU_GRID)
+    res["anchor_nll_decommon_grid_sum"] = _anchor_nll(decommon, ut_last, m, a, TAU_GRID)
     res["tokens"] = m.sum()
     res["anchor_count"] = a.sum()
     return res
@@ -104,7 +119,10 @@ def finish(sums: dict) -> dict[str, list[float]]:
         cosine_to_teacher=list(sums["teacher_cos_sum"] / n),
         anchor_cosine_to_teacher=list(sums["anchor_teacher_cos_sum"] / max(float(sums["anchor_count"]), 1.0)),
         anchor_tacl_loss=float(sums["anchor_nll_sum"] / max(float(sums["anchor_count"]), 1.0)),
-        anchor_tacl_loss_decommon=float(sums["anchor_nll_decommon_sum"] / max(float(sums["anchor_count"]), 1.0)))
+        anchor_tacl_loss_decommon=float(sums["anchor_nll_decommon_sum"] / max(float(sums["anchor_count"]), 1.0)),
+        anchor_tacl_loss_by_tau=list(sums["anchor_nll_grid_sum"] / max(float(sums["anchor_count"]), 1.0)),
+        anchor_tacl_loss_decommon_by_tau=list(sums["anchor_nll_decommon_grid_sum"]
+                                              / max(float(sums["anchor_count"]), 1.0)))
 
 
 @functools.lru_cache(maxsize=8)

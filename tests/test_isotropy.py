@@ -35,7 +35,8 @@ def _naive(hs, hm, ht, mask, anchors, tau):
             na += 1
     t = np.stack(toks)
     c = t.sum(0) / np.linalg.norm(t.sum(0))
-    nll = nll_dc = 0.0
+    taus = (tau,) + isotropy.TAU_GRID
+    nll = {(name, k): 0.0 for name in ("plain", "dc") for k in range(len(taus))}
     for b in range(hs.shape[0]):
         real = [j for j in range(hs.shape[1]) if mask[b, j]]
         ut = _unit(ht[b])
@@ -43,21 +44,19 @@ def _naive(hs, hm, ht, mask, anchors, tau):
             if not anchors[b, i]:
                 continue
             u = _unit(hm[b, i])
-            v = _unit(u - (u @ c) * c)
-            for vec, name in ((u, "plain"), (v, "dc")):
-                sc = np.array([vec @ ut[j] for j in real]) / tau
-                x = np.log(np.exp(sc - sc.max()).sum()) + sc.max() - sc[real.index(i)]
-                if name == "plain":
-                    nll += x
-                else:
-                    nll_dc += x
+            for vec, name in ((u, "plain"), (_unit(u - (u @ c) * c), "dc")):
+                for k, temp in enumerate(taus):
+                    sc = np.array([vec @ ut[j] for j in real]) / temp
+                    nll[name, k] += np.log(np.exp(sc - sc.max()).sum()) + sc.max() - sc[real.index(i)]
     cov = np.cov(t.T, bias=True)
     ev = np.linalg.eigvalsh(cov)
     mean = t.mean(0)
     return dict(self_similarity=pair / npair, masked_anchor_self_similarity=apair / napair,
                 top_pc_share=ev[-1] / ev.sum(), mean_norm_sq=float(mean @ mean),
                 cosine_to_teacher=tcos / len(toks), anchor_cosine_to_teacher=acos / na,
-                anchor_tacl_loss=nll / na, anchor_tacl_loss_decommon=nll_dc / na)
+                anchor_tacl_loss=nll["plain", 0] / na, anchor_tacl_loss_decommon=nll["dc", 0] / na,
+                anchor_tacl_loss_by_tau=[nll["plain", k] / na for k in range(1, len(taus))],
+                anchor_tacl_loss_decommon_by_tau=[nll["dc", k] / na for k in range(1, len(taus))])
 
 
 def test_measures_match_naive_loops():
@@ -102,5 +101,5 @@ def test_sums_add_over_batches():
     added = isotropy.finish({k: np.asarray(parts[0][k], np.float64) + np.asarray(parts[1][k], np.float64)
                              for k in parts[0]})
     for k in whole:
-        if k != "anchor_tacl_loss_decommon":       # its common direction is each batch's own
+        if not k.startswith("anchor_tacl_loss_decommon"):       # its common direction is each batch's own
             assert added[k] == pytest.approx(whole[k], rel=1e-5, abs=1e-5), k

@@ -62,6 +62,19 @@ def test_summary_counts_seeds_lower_and_skips_missing_models(tacl_effect):
     assert "tau=0.1" not in s["models"]
 
 
+def test_summary_takes_a_measure_over_the_seeds_that_have_it(tacl_effect):
+    per_seed = {0: dict(mlm=dict(heldout_mlm_acc=0.4), tacl=dict(heldout_mlm_acc=0.3)),
+                1: dict(mlm=dict(heldout_mlm_acc=0.5, anchor_tacl_loss=2.0),
+                        tacl=dict(heldout_mlm_acc=0.45, anchor_tacl_loss=1.5)),
+                2: dict(mlm=dict(heldout_mlm_acc=0.5, anchor_tacl_loss=3.0),
+                        tacl=dict(heldout_mlm_acc=0.40, anchor_tacl_loss=3.5))}
+    s = tacl_effect.summarize(per_seed)
+    assert s["models"]["tacl"]["anchor_tacl_loss"] == dict(mean=2.5, sd=pytest.approx(np.std([1.5, 3.5], ddof=1)), n=2)
+    d = s["minus_baseline"]["tacl"]["anchor_tacl_loss"]
+    assert d["per_seed"] == {1: -0.5, 2: 0.5} and d["lower"] == "1 of 2"
+    assert s["minus_baseline"]["tacl"]["heldout_mlm_acc"]["n"] == 3
+
+
 def test_arms_parse_and_refuse_unknown(tacl_effect):
     assert tacl_effect.arm_spec("tau=0.05") == ("tacl", {"tacl.temperature": 0.05})
     assert tacl_effect.arm_spec("tacl_only") == ("tacl", {"loss_weights.mlm": 0.0})
