@@ -313,9 +313,11 @@ def scalars(result: dict) -> dict[str, float]:
     for k in ("anchor_tacl_loss_by_tau", "anchor_tacl_loss_decommon_by_tau"):
         for tau, v in zip(TAU_GRID, result.get(k, ())):
             out[f"{k}@{tau}"] = v
-    for k in HELDOUT + ("last_layer_self_similarity",):
+    for k in HELDOUT:
         if result.get(k) is not None:
             out[k] = result[k]
+    if "self_similarity" not in result and result.get("last_layer_self_similarity") is not None:
+        out["self_similarity@last"] = result["last_layer_self_similarity"]     # the peer's one number
     return out
 
 
@@ -375,7 +377,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for stage 1, the per-seed results and the summary")
-    p.add_argument("--arms", default="mlm,tacl", help="stage-2 arms (see above); mlm is the baseline")
+    p.add_argument("--arms", default="mlm,tacl",
+                   help="stage-2 arms (see above); mlm is the baseline; empty: measure the init only "
+                        "(e.g. --init=/path/bert-base-uncased --arms= : its TaCL loss over the τ grid)")
     p.add_argument("--seeds", default="0", help="comma-separated seeds (batches, masks, dropout, sentences)")
     p.add_argument("--steps", type=int, default=600, help="stage-2 steps per arm")
     p.add_argument("--stage1_steps", type=int, default=1500)
@@ -394,7 +398,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peer_python", default=sys.executable)
     args = p.parse_args(argv)
     args.out = os.path.abspath(args.out)
-    for a in args.arms.split(","):
+    for a in filter(None, args.arms.split(",")):
         arm_spec(a)
     return args
 
@@ -407,7 +411,7 @@ def main(argv=None) -> dict:
     if not args.init:
         args.minilm = args.minilm or minilm_dir()
     args.init = stage1(args)
-    arms = args.arms.split(",")
+    arms = [a for a in args.arms.split(",") if a]       # --arms= : the init's measures only
     per_seed = {}
     for seed in [int(s) for s in args.seeds.split(",")]:
         args.seed = seed

@@ -110,3 +110,19 @@ def test_split_corpus_cuts_at_a_heading_near_the_middle(tacl_effect, tmp_path):
     a, b = open(first).read(), open(second).read()
     assert b.startswith(" = Article 4 = ")             # articles 0-3: 100 lines, 4-5: 110 lines
     assert a.split("\n")[:-1] + b.split("\n")[:-1] == lines
+
+
+def test_the_peers_number_is_its_last_layer_self_similarity(tacl_effect):
+    per_seed = {0: {"mlm": dict(self_similarity=[0.3, 0.17]), "tacl": dict(self_similarity=[0.3, 0.29]),
+                    "peer:mlm": dict(last_layer_self_similarity=0.172),
+                    "peer:tacl": dict(last_layer_self_similarity=0.289)}}
+    s = tacl_effect.summarize(per_seed)
+    assert s["minus_baseline"]["peer:tacl"]["self_similarity@last"]["mean"] == pytest.approx(0.117)
+    assert "| peer:tacl | 0.289 ± 0.000 (Δ +0.117" in tacl_effect.table(s)
+
+
+def test_empty_arms_measure_the_init_only(tacl_effect):
+    args = tacl_effect.parse_args(["--out=/tmp/effect_x", "--arms="])
+    assert [a for a in args.arms.split(",") if a] == []
+    with pytest.raises(SystemExit, match="unknown arm 'x'"):
+        tacl_effect.parse_args(["--out=/tmp/effect_x", "--arms=mlm,x"])
