@@ -562,8 +562,8 @@ def resume_changes(saved: Mapping | None, config: ml_collections.ConfigDict) -> 
     same weighted step), ``model.remat_policy``, ``model.gather_last_layer``, ``optim.fused`` (the
     same math), ``init.from_scratch`` (a start-up guard), ``init.params_from`` and
     ``init.params_from_step`` (the student's start is read only when the workdir has no checkpoint;
-    a resumed TaCL run without ``init.hf_path`` re-reads its teacher from the saved ones), ``steps_per_run``, ``log_every``, ``eval_*``, ``hf_export_every``,
-    ``export_at_end``, ``demo_fill_mask``, ``profile_steps``, ``mesh*``, ``logical_axis_rules``,
+    a resumed TaCL run without ``init.hf_path`` re-reads its teacher from the saved ones),
+    ``steps_per_run``, ``log_every``, ``eval_*``, ``hf_export_every``, ``export_at_end``, ``demo_fill_mask``, ``profile_steps``, ``mesh*``, ``logical_axis_rules``,
     ``distributed.*``, ``checkpoint.*``, ``metrics.*``, ``analysis.*``, ``data.worker_count`` /
     ``read_threads`` / ``prefetch``.
 
