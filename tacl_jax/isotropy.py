@@ -41,22 +41,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from tacl_jax.analyze import _batches, pair_cosine_sums, unit
+from tacl_jax.objectives import token_contrastive_at
 
 
 TAU_GRID = (0.01, 0.02, 0.05, 0.1, 0.2)
 
 
 def _anchor_nll(um: jax.Array, ut: jax.Array, m: jax.Array, a: jax.Array, temperature) -> jax.Array:
-    """Σ over anchors of TaCL's −log softmax at the positive: ``um``/``ut [B, L, H]`` unit states,
-    ``m`` key mask, ``a`` anchors (``[B, L]``); ``temperature`` a float (-> scalar) or a tuple of
-    ``T`` (-> ``[T]``)."""
-    cos = jnp.einsum("bid,bjd->bij", um, ut, precision=jax.lax.Precision.HIGHEST)
-    cos = jnp.where(m[:, None, :] > 0, cos, -jnp.inf)                         # pad keys out
+    """Σ over anchors of TaCL's loss (``objectives.token_contrastive_at``, every position a slot):
+    ``um``/``ut [B, L, H]`` student/teacher states, ``m`` key mask, ``a`` anchors (``[B, L]``);
+    ``temperature`` a float (-> scalar) or a tuple of ``T`` (-> ``[T]``)."""
+    every = jnp.broadcast_to(jnp.arange(um.shape[1], dtype=jnp.int32), um.shape[:2])
 
     def one(t):
-        scores = jnp.maximum(cos / t, -1e9)
-        nll = jax.nn.logsumexp(scores, -1) - jnp.diagonal(scores, axis1=1, axis2=2)
-        return jnp.sum(nll * a)
+        return jnp.sum(token_contrastive_at(um, ut, every, m, t)[0] * a)
     if isinstance(temperature, (tuple, list)):
         return jnp.stack([one(t) for t in temperature])
     return one(temperature)

@@ -34,6 +34,16 @@ def _mask(batch, seed, whole_word=False, p=None):
                              jnp.asarray(batch["attention_mask"]), jnp.asarray(batch["word_starts"])))
 
 
+def _tally(m, ids):
+    """``(→ [MASK], unchanged, → random)`` counts among the selected positions of ``m``; asserts
+    the random replacements are regular tokens."""
+    sel = np.asarray(m.selected).astype(bool)
+    out, orig = np.asarray(m.input_ids)[sel], ids[sel]
+    rand = (out != SPECIAL["mask"]) & (out != orig)
+    assert not np.any(np.isin(out[rand], SPECIAL_IDS))   # random replacements are regular tokens
+    return np.sum(out == SPECIAL["mask"]), np.sum(out == orig), np.sum(rand)
+
+
 def test_count_rule_positions_and_never_specials():
     batch = _batch()
     ids, am = batch["input_ids"], batch["attention_mask"]
@@ -63,12 +73,8 @@ def test_80_10_10_split_and_uniform_selection_over_many_draws():
     for s in range(draws):
         m = _mask(batch, s)
         sel = m.selected.astype(bool)
-        out, orig = m.input_ids[sel], ids[sel]
-        n_mask += np.sum(out == SPECIAL["mask"])
-        n_keep += np.sum(out == orig)
-        rand = (out != SPECIAL["mask"]) & (out != orig)
-        n_rand += np.sum(rand)
-        assert not np.any(np.isin(out[rand], SPECIAL_IDS))   # random replacements are regular tokens
+        k_mask, k_keep, k_rand = _tally(m, ids)
+        n_mask, n_keep, n_rand = n_mask + k_mask, n_keep + k_keep, n_rand + k_rand
         hits += sel
     total = n_mask + n_rand + n_keep
     assert abs(n_mask / total - 0.8) < 0.01
@@ -281,12 +287,8 @@ def test_tacl_budget_keeps_the_80_10_10_split(whole_word):
     for s in range(30):
         m = _mask_budget(batch, s, whole_word=whole_word, budget="tacl", p=p)
         sel = m.selected.astype(bool)
-        out, orig = m.input_ids[sel], ids[sel]
-        n_mask += np.sum(out == SPECIAL["mask"])
-        n_keep += np.sum(out == orig)
-        rand = (out != SPECIAL["mask"]) & (out != orig)
-        n_rand += np.sum(rand)
-        assert not np.any(np.isin(out[rand], SPECIAL_IDS))
+        k_mask, k_keep, k_rand = _tally(m, ids)
+        n_mask, n_keep, n_rand = n_mask + k_mask, n_keep + k_keep, n_rand + k_rand
         np.testing.assert_array_equal(m.input_ids[~sel], ids[~sel])
     total = n_mask + n_rand + n_keep
     assert total > 10_000
