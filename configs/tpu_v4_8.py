@@ -14,9 +14,9 @@ rematerialisation, layers unrolled.
         --config.data.source=prepared:$HOME/tacl/data/wiki_l256
 
 Compiled for a v4-8 on a CPU host (``python -m tacl_jax.aot --config=configs/tpu_v4_8.py
---topology=v4-8``; compiler figures, the step time an estimate, not a measurement): see the
-README's *TPU and GPU* table. ``model.scan_layers`` stays False: scanned, the estimate was 289 ms
-vs 209 ms unrolled (the stacked weights' per-layer slices are copied, 3.6 GB/step) with twice the
+--topology=v4-8``; compiler figures, the step time an estimate, not a measurement): see
+docs/performance.md, *The presets on their hardware*. ``model.scan_layers`` stays False: scanned,
+the estimate was 289 ms vs 209 ms unrolled (the stacked weights' per-layer slices are copied, 3.6 GB/step) with twice the
 temporaries (19.9 vs 11.0 GiB peak); the unrolled compile took 5.3 min on a 2-core host (once).
 Measured throughput on a v4-8: not yet (fill in from a real run's ``metrics.jsonl``).
 """

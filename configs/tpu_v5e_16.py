@@ -12,9 +12,9 @@ and optimizer state, no rematerialisation, layers unrolled.
         launch/tpu_vm.sh create setup train          # see launch/README.md
 
 Compiled for a v5e-16 on a CPU host (``python -m tacl_jax.aot --config=configs/tpu_v5e_16.py
---topology=v5e-16``; compiler figures, the step time an estimate): see the README's *TPU and GPU*
-table. ``model.scan_layers`` stays False: scanned, the estimate was 84.9 ms vs 59.5 ms unrolled,
-with twice the temporaries (6.5 vs 3.9 GiB peak of 15.75). With 16 rows per chip the step is
+--topology=v5e-16``; compiler figures, the step time an estimate): see docs/performance.md,
+*The presets on their hardware*. ``model.scan_layers`` stays False: scanned, the estimate was
+84.9 ms vs 59.5 ms unrolled, with twice the temporaries (6.5 vs 3.9 GiB peak of 15.75). With 16 rows per chip the step is
 short; a larger ``global_batch_size`` (and learning rate) would use the chips better but is no
 longer the paper's recipe. Measured throughput: not yet (fill in from a real run's ``metrics.jsonl``).
 """

@@ -7,7 +7,7 @@ Compiler figures, not measurements. What is read:
   counted ``known_trip_count`` times (a scanned encoder, gradient accumulation) and called
   computations followed, then divided by the chip's clock, it estimates the step. Fusions carry
   the estimate of their whole body, so fused computations are not descended into. It is a
-  pessimistic, rough estimate (element-wise work is over-estimated, see ``docs``/README): good for
+  pessimistic, rough estimate (element-wise work is over-estimated, see docs/performance.md): good for
   comparing two programs on the same topology.
 * **Collectives** (``all-gather``, ``reduce-scatter``, ``all-reduce``, ``all-to-all``,
   ``collective-permute``, their async ``-start`` forms, and fusions built around one) per step,

@@ -1,37 +1,15 @@
 """The host process's memory allocator: glibc malloc tuned, and big blocks kept for reuse.
 
-Why. XLA:CPU allocates a step's temporary buffer (the activations: ~270 MB at the ``small`` bench
-size in fp32, 1.1 GB at ``base``) with ``malloc`` at every execution and frees it at the end. glibc
-serves an allocation that large with a fresh ``mmap`` and gives it back with ``munmap``, so every
-step the kernel faults in and zeroes the whole buffer again (measured: 1.24 M minor faults for 9
-steps of ``small`` bf16; at ``base`` fp32 ~1,000 huge-page faults and 0.4-0.8 s of kernel time per
-~4.5 s step). Two parts, both on by default (``TACL_MALLOC_TUNING=auto``):
+Why: XLA:CPU ``malloc``s a step's temporary buffer at every execution and frees it at the end;
+glibc serves a block that large with a fresh ``mmap``, so every step the kernel faults in and
+zeroes the whole buffer again. Two parts, both on by default (``TACL_MALLOC_TUNING=auto``):
 
-1. **glibc tunables** (``TUNABLES``), for blocks the main thread allocates:
-   ``glibc.malloc.mmap_max=0`` (no allocation gets a map of its own: a freed block stays in the
-   heap for the next one), ``glibc.malloc.trim_threshold`` = 64 GiB (the heap is not trimmed
-   between steps) and ``glibc.malloc.hugetlb=1`` (heap growth in transparent huge pages).
+1. **glibc tunables** (``TUNABLES``: ``mmap_max=0``, a 64 GiB ``trim_threshold``, ``hugetlb=1``),
+   so the main thread's freed big blocks stay in the heap for the next step.
 2. **bigalloc** (``tacl_jax/bigalloc.c``, an ``LD_PRELOAD`` shim compiled once with the system's C
-   compiler into ``~/.cache/tacl_jax``), for XLA's threads: a thread's glibc arena is made of
-   64 MiB heaps, so for a bigger block glibc still maps and unmaps *despite* ``mmap_max=0``
-   (``strace`` at ``base`` fp32: one 1,176,035,328-byte ``mmap`` + ``munmap`` per step). bigalloc
-   gives every request of >= 64 MiB made off the main thread a mapping of its own and keeps it
-   when freed for the next request it fits. XLA mallocs the next step's buffer at about the
-   instant it frees the last one (``strace``: the ``mmap`` 59 us *before* the ``munmap``), so a
-   request waits up to 5 ms for a fitting block that is in use; a request that nothing fits
-   unmaps the free blocks (the initialisation's buffers are not kept resident beside the training
-   step's). The main thread's big blocks stay with glibc's heap, which the tunables make reuse
-   them and which coalesces mixed sizes (a per-size cache churned under the PyTorch peer's
-   autograd). Measured in interleaved
-   worker processes (``bench/step_throughput.py --worker=ours``, ``base`` fp32, 6 steps): median
-   step 4.08 / 4.07 s vs 4.35 / 4.23 s with the tunables alone (1.06x / 1.04x), kernel time per
-   process 10.6 / 11.1 s vs 19.6 / 12.3 s, peak RSS 3,825 / 3,848 vs 3,821 / 3,816 MB.
-
-Tried and not taken (same measurements): ``glibc.malloc.arena_max=1`` (every thread on the main
-heap: no maps, but the next step's buffer is asked for before the last is freed, the heap grows by
-one buffer and peak RSS rose by up to that much: ``base`` bf16 3,640 -> 4,585 MB); tcmalloc (2 of 5
-``base`` runs mapped a second buffer in 4 KiB pages: a 10 s step, 4.8 GB peak) and jemalloc (slower
-steps, 4.5-4.8 s).
+   compiler into ``~/.cache/tacl_jax``) for XLA's threads, whose 64 MiB arena heaps make glibc map
+   and unmap big blocks despite ``mmap_max=0``: every request of >= 64 MiB made off the main
+   thread gets a mapping of its own, kept when freed for the next request it fits.
 
 Allocator settings are read at process start only, so ``python -m tacl_jax.main`` re-executes itself
 once with them (``maybe_reexec``). Left alone: ``TACL_MALLOC_TUNING=off``, a process that already set
@@ -40,13 +18,12 @@ once with them (``maybe_reexec``). Left alone: ``TACL_MALLOC_TUNING=off``, a pro
 where no C compiler works). bigalloc's knobs: ``TACL_BIGALLOC_MIN_MB`` (64), ``TACL_BIGALLOC_CACHE_MB``
 (4096: freed blocks kept at most), ``TACL_BIGALLOC_WAIT_US`` (5000).
 
-Only for XLA:CPU. On a Cloud TPU VM or a GPU host the step's buffers live in device memory, so
-``auto`` (the default) tunes nothing where the run will use TPU or GPU devices. That is decided
-before jax is imported (``run_platform``): ``JAX_PLATFORMS`` (its first entry; ``cpu`` there tunes
-even on a TPU VM), else TPU chips (``/dev/accel*``, ``/dev/vfio/<n>``), NVIDIA (``/dev/nvidia<n>``
-unless ``CUDA_VISIBLE_DEVICES`` is '' or -1) or AMD (``/dev/kfd``) GPUs that an installed jax
-plugin can drive, else CPU; the log's ``allocator:`` line says which and why. ``glibc`` is an
-explicit request and applies the tunables whatever the platform.
+Only for XLA:CPU: ``auto`` tunes nothing where the run will use TPU or GPU devices, decided before
+jax is imported (``run_platform``: ``JAX_PLATFORMS``' first entry, else the TPU/GPU device files an
+installed jax plugin can drive, else CPU); the log's ``allocator:`` line says which and why.
+``glibc`` is an explicit request and applies the tunables whatever the platform.
+
+The measurements (strace, page faults, step times) and what was tried instead: docs/allocator.md.
 """
 
 from __future__ import annotations

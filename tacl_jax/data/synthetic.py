@@ -1,7 +1,7 @@
 """Synthetic batches: random token ids shaped like packed BERT sequences.
 
 Clearly *not* text: the MLM task is unlearnable beyond unigram statistics. Used by benchmarks,
-by tests, and by the README's first command until a real corpus is configured.
+by tests, and by ``configs/tiny.py``.
 
 The global batch at step ``s`` is a pure function of ``(seed, s)``; a process takes its own
 contiguous block of rows, so the global batch is the same whatever the process count.

@@ -1,34 +1,27 @@
 """Bidirectional scaled dot-product attention, laid out for fast batched matmuls.
 
-Why heads-major: XLA lowers an einsum to a batched ``dot`` whose batch dimensions must lead. With
-the projections' natural ``[B, L, heads, head_dim]`` layout the batch dims (b, h) are not leading,
-so every attention matmul (forward and the four of the backward) gets a transpose fused into it and
-runs far below the machine's matmul rate (6 GFLOP/s measured on a 2-core CPU for
-``'bhqk,bkhd->bqhd'``). Transposing q, k and v once to ``[B, heads, L, head_dim]`` (cheap: the
-size of the hidden states, not of the ``L × L`` scores) makes all six matmuls canonical.
-
-The 1/√d scale is applied to q (``[B, L, H]`` elements) rather than to the scores (``L²`` per
-head). Scores, softmax and the probabilities' dropout are in f32; the probability × value matmul
-runs in the compute dtype with f32 accumulation.
+Heads-major: XLA lowers an einsum to a batched ``dot`` whose batch dimensions must lead, so q, k
+and v are transposed once to ``[B, heads, L, head_dim]`` (cheap: the size of the hidden states,
+not of the ``L × L`` scores) and all six attention matmuls (forward and the four of the backward)
+are canonical. The 1/√d scale is applied to q (``[B, L, H]`` elements) rather than to the scores
+(``L²`` per head). Scores and softmax are in f32; the probability × value matmul runs in the
+compute dtype with f32 accumulation.
 
 **kernels='xla'** (TPU, GPU): the softmax (f32 inside) returns the probabilities in the compute
-dtype, dropout acts on them there, and a hand-written backward keeps only those bf16
-probabilities: autodiff kept the f32 scores (and the dropout mask taken on f32), which XLA:TPU
-re-read in three ``[B, heads, L, L]`` f32 passes. XLA:TPU's estimate of a bert-base layer's
-forward + backward (v4, 64 rows of 256): 12.0 -> 10.9 ms.
+dtype, dropout acts on them there, and a hand-written backward keeps only those probabilities
+(autodiff kept the f32 scores, which XLA:TPU re-read in extra ``[B, heads, L, L]`` f32 passes).
 
-**bf16 on XLA:CPU** (the same rule as ``tacl_jax.models.layers``' transposed copies: ``kernels='cpu'``,
-bf16, a CPU with bf16 matmul units). XLA:CPU hands a batched bf16 dot to YNNPACK only in
-the canonical form ``[.., M, K] · [.., K, N]``; any other form (``q · kᵀ``, and the backward's
-``pᵀ · g`` and ``g · vᵀ``) it upcasts to f32, and because it first folds the heads transposes into
-the dots' dimension numbers, it upcast *all six* attention matmuls of the step, the canonical
-``p · v`` too. So on that path the heads transposes and every transposed operand are materialised
-copies XLA does not fold (``layers._transposed_copy``'s construction), and the two matmuls carry
-hand-written backward passes (``jax.custom_vjp``) made of canonical dots, with the cotangent cast
-to bf16 (f32 accumulation kept), as the dense layers do. ``aᵀ·b`` copies the cheaper way:
-``copy(aᵀ)·b`` or ``copy((copy(bᵀ)·a)ᵀ)`` (the latter for ``pᵀ·g`` and ``gᵀ·q`` once L > 2·head_dim). Measured on a 2-core AVX-512
-BF16 Zen 4, attention forward + backward of the ``small`` bench size ``[16, 128, 4, 64]``
-14.0 -> 10.8 ms, of ``base`` ``[8, 128, 12, 64]`` 23.6 -> 16.9 ms.
+**bf16 on XLA:CPU** (``kernels='cpu'``, bf16, a CPU with bf16 matmul units; the same rule as
+``tacl_jax.models.layers``' transposed copies): XLA:CPU runs a batched bf16 dot as such only in the
+canonical form ``[.., M, K] · [.., K, N]``, and after folding the heads transposes into the dots
+it upcast all six attention matmuls to f32. So on that path the heads transposes and every
+transposed operand are materialised copies XLA does not fold (``layers._transposed_copy``'s
+construction), and the two matmuls carry hand-written backward passes (``jax.custom_vjp``) made of
+canonical dots, with the cotangent cast to bf16 (f32 accumulation kept). ``aᵀ·b`` copies the
+cheaper way: ``copy(aᵀ)·b`` or ``copy((copy(bᵀ)·a)ᵀ)`` (the latter for ``pᵀ·g`` and ``gᵀ·q`` once
+L > 2·head_dim).
+
+Measurements: docs/performance.md#attention.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""COCO-LM's two networks and heads (arXiv 2102.08473, ``../shared/docs/method.md`` §2).
+"""COCO-LM's two networks and heads (arXiv 2102.08473).
 
 Parameter tree (one tree, one optimizer)::
 

@@ -3,14 +3,9 @@ of ``flax.linen.Dropout``.
 
 Why: ``nn.Dropout`` draws each element's bit with ``jax.random.bernoulli``, which (in JAX's
 partitionable threefry mode) runs one ``threefry2x32`` block per element and keeps 32 of its 64
-output bits. On a CPU that hashing is most of dropout's cost, ~9% of the op time of a bf16 TaCL step
-at the bench's ``small`` size (the ``[B, heads, L, L]`` attention probabilities dominate). Here one
-block gives four 16-bit uniforms. Measured on a 2-core Zen 4, mask and apply, jitted:
-``[8, 12, 128, 128]`` 10.8 -> 2.6 ms, ``[16, 128, 256]`` 5.9 -> 2.4 ms (a busy host). In the
-whole bf16 step there the hashing fusions' op time fell 21.7 -> 8.2 ms/step at ``small``, but
-tokens/s moved within the noise (XLA:CPU overlaps them with the matmuls; ``bench/step_throughput.py
---ablate`` row ``dropout_bits32``), while XLA's temporary buffer shrank 15-17% (344 vs 403 MB at
-``small``, 1,226 vs 1,480 MB at ``base``). (``unsafe_rbg`` keys were 2× slower than threefry there.)
+output bits; here one block gives four 16-bit uniforms. On a CPU the saving is mostly memory
+(XLA's temporary buffer), since XLA:CPU overlaps the hashing with the matmuls. Measurements:
+docs/performance.md#dropout.
 
 The rate is quantised to ``t / 65536`` (``t = round(rate · 65536)``): 0.1 becomes 0.099998, and
 kept elements are scaled by the exact ``65536 / (65536 - t)``, so the expectation is unchanged.
@@ -22,12 +17,12 @@ words: up to 2**32 rows of 2**34 elements, however large the global batch.) Keys
 implementations (``rbg``) draw the two words of each block with ``jax.random.bits`` instead.
 
 That arrangement (``kernels='cpu'``) interleaves the quarters along the last axis: on a TPU, the
-lane axis, so XLA:TPU copies every mask through a shuffle (the attention probabilities' mask was
-the step's second-largest relayout). With ``kernels='xla'`` (and ``shape[-2] % 4 == 0``, else as
-above) the quarters lie along axis -2 in four contiguous slabs: block ``(r, n)`` of the
-``[..., M/4, N]`` counters (same row-major rule) drops rows ``r``, ``r + M/4``, ``r + M/2``,
-``r + 3M/4`` of column n. The counters still depend only on global indices, and every element's
-block lies in its own shard unless axis -2 is sharded (it is the sequence axis here, which is not).
+lane axis, so XLA:TPU would copy every mask through a shuffle. With ``kernels='xla'`` (and
+``shape[-2] % 4 == 0``, else as above) the quarters lie along axis -2 in four contiguous slabs:
+block ``(r, n)`` of the ``[..., M/4, N]`` counters (same row-major rule) drops rows ``r``,
+``r + M/4``, ``r + M/2``, ``r + 3M/4`` of column n. The counters still depend only on global
+indices, and every element's block lies in its own shard unless axis -2 is sharded (it is the
+sequence axis here, which is not).
 """
 
 from __future__ import annotations

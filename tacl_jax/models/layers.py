@@ -1,41 +1,31 @@
 """Building blocks for the BERT model: a dense layer with logical axis names, the tied MLM decoder,
-and the matmuls under both, with hand-written backward passes.
+and the matmuls under both, with hand-written backward passes (``jax.custom_vjp``).
 
 ``kernels`` (``BertConfig.kernels``, decided once from the platform of the run's devices by
 ``tacl_jax.precision.kernels_for``): 'xla' (TPU, GPU) writes plain dots and reductions; 'cpu' adds
-the XLA:CPU-only forms below (bias gradients as matmuls, bf16 transposed copies). A TPU or GPU
-program never contains the latter, whatever host compiles it.
+the XLA:CPU-only forms below. A TPU or GPU program never contains the latter, whatever host
+compiles it.
 
-Why custom backward passes (``jax.custom_vjp``), each measured on a 2-core CPU (XLA:CPU, YNNPACK):
+Why custom backward passes:
 
-* **Bias gradients as matmuls.** Autodiff reduces the bias cotangent with ``reduce_sum`` over the
-  rows; XLA:CPU runs that reduction ~40× slower than the same sum written as ``ones[M] · g[M, N]``
-  (85 ms vs 2 ms for the MLM decoder's ``[304, 30592]`` cotangent at the ``small`` bench size).
-* **No transposed copies.** ``dx = g · Wᵀ``, ``dW = xᵀ · g`` and the tied decoder's ``h · Eᵀ`` are
-  written as ``dot_general`` contractions over the right dimensions. (XLA:CPU still runs a bf16
-  contraction over the rows, the ``dW`` form, in f32; on CPUs without bf16 units f32 is the faster
-  choice anyway, see ``tacl_jax.precision``.)
 * **Backward matmuls in the compute dtype.** With bf16 inputs and an f32 result
-  (``preferred_element_type``), plain autodiff produces f32 cotangents, so the two backward matmuls
-  (2/3 of the FLOPs) would run in f32. The cotangent is cast to the compute dtype first, keeping f32
-  accumulation: on TPUs, GPUs and CPUs with AVX-512 bf16 that is the fast path. In fp32 mode these
-  are ordinary matmuls.
-* **bf16 weight gradients on XLA:CPU** (``_rows_dot``). XLA:CPU hands a bf16 dot to YNNPACK only
-  when its left operand is contracted over its last dimension; ``dW = xᵀ · g`` contracts both
-  operands over their rows, so XLA upcasts it to an f32 dot (a third of the student's FLOPs at the
-  f32 rate). A transposed copy ``xᵀ [K, M]`` fixes that, but a plain ``x.T`` (also behind an
-  ``optimization_barrier``, which XLA removes before it decides the dot's type) is folded back
-  into the dot's dimension numbers. Built as one 3-d transpose ``[M, 2, K/2] -> [2, K/2, M]`` it
-  stays a real ``[K, M]`` array, and ``xᵀ · g`` becomes a canonical bf16 dot. Measured on a 2-core
-  AVX-512 BF16 Zen 4, bf16 in, f32 accumulate: ``[2048, 768]ᵀ · [2048, 3072]`` 195 -> 335 GFLOP/s
-  (the copy included; the canonical dot alone runs at ~380). (The first construction, the
-  concatenation of the transposes of x's two column halves, is what XLA:CPU copies slowly: 3.5 vs
-  0.5 ms for a bf16 ``[2048, 1024]``; 7.9 vs 4.7 ms for that copy and the dot of a ``small`` FFN's
-  ``dW``.) Only with ``kernels='cpu'`` (TPUs and GPUs contract either way natively), only
-  in bf16 (f32 contractions over rows already run at the f32 matmul rate) and, by default, only on
-  CPUs with bf16 matmul units (elsewhere XLA's f32 fallback is the faster one);
-  ``CPU_BF16_TRANSPOSED_COPY`` = True / False forces it on / off (``bench/step_throughput.py
-  --ablate`` measures it).
+  (``preferred_element_type``) plain autodiff produces f32 cotangents, so the two backward matmuls
+  (2/3 of the FLOPs) would run in f32. The cotangent is cast to the compute dtype first, keeping
+  f32 accumulation. In fp32 mode these are ordinary matmuls.
+* **No transposed copies of the weights.** ``dx = g · Wᵀ``, ``dW = xᵀ · g`` and the tied decoder's
+  ``h · Eᵀ`` are ``dot_general`` contractions over the right dimensions.
+* **Bias gradients as matmuls** (``kernels='cpu'``): ``ones[M] · g[M, N]`` instead of a
+  ``reduce_sum`` over the rows, which XLA:CPU runs far slower.
+* **bf16 weight gradients on XLA:CPU** (``_rows_dot``, ``kernels='cpu'``, bf16, by default only on
+  CPUs with bf16 matmul units): XLA:CPU runs a bf16 dot as such only when its left operand is
+  contracted over its last dimension and upcasts ``dW = xᵀ · g`` to f32. A transposed copy
+  ``xᵀ [K, M]`` built as one 3-d transpose ``[M, 2, K/2] -> [2, K/2, M]`` (a plain ``x.T``, even
+  behind an ``optimization_barrier``, is folded back into the dot) makes it a canonical bf16 dot.
+  ``CPU_BF16_TRANSPOSED_COPY`` = True / False forces it on / off.
+
+Measurements (``bench/step_throughput.py --ablate``):
+docs/performance.md#bf16-weight-gradients-on-xlacpu-transposed-copies and
+docs/performance.md#bias-gradients-the-optimizer-and-the-rest.
 """
 
 from __future__ import annotations

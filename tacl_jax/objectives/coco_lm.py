@@ -1,4 +1,5 @@
-"""COCO-LM's corruption and losses (arXiv 2102.08473, ``../shared/docs/method.md`` §2), as pure
+"""COCO-LM's corruption and losses (arXiv 2102.08473; the corrective LM as the first author posted
+it in github microsoft/COCO-LM issue #2, the pre-training code was never released), as pure
 functions: arrays in, arrays out.
 
 * corruption: one categorical sample per masked slot from the generator's softmax (temperature 1),

@@ -1,4 +1,5 @@
-"""TaCL's token-aware contrastive loss (arXiv 2111.04198, ``../shared/docs/method.md`` §1).
+"""TaCL's token-aware contrastive loss (arXiv 2111.04198; as the authors' code computes it, github
+yxuansu/TaCL ``pretraining/bert_contrastive.py``).
 
 For each selected anchor position i of sequence b, the positive is the frozen teacher's state at
 the same position, the negatives are the teacher's states at the other positions of the *same*
