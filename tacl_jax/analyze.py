@@ -271,13 +271,15 @@ class Entry:
 
 
 def load_entry(path: str, label: str | None = None) -> Entry:
-    """An HF BERT folder as an encoder-only float32 model for the analysis."""
+    """An HF BERT folder or Hub id (read through the Hugging Face cache) as an encoder-only float32
+    model for the analysis; the label defaults to the folder's or repo's name."""
     from tacl_jax import hf
     from tacl_jax.data import tokenization
 
-    model, params = hf.load(path, dtype="float32", with_mlm_head=False, with_pooler=False, with_nsp_head=False)
-    tok_dir = path
-    if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "vocab.txt")):
+    folder = hf.resolve(path)
+    model, params = hf.load(folder, dtype="float32", with_mlm_head=False, with_pooler=False, with_nsp_head=False)
+    tok_dir = folder
+    if not any(os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "vocab.txt")):
         tok_dir = tokenization.default_tokenizer_dir()
         log.warning("%s has no tokenizer: using the default uncased BERT vocabulary in %s", path, tok_dir)
     return Entry(label=label or os.path.basename(os.path.normpath(path)), model=model,

@@ -5,7 +5,10 @@
 ``torch.load(weights_only=True)``) into our ``BertModel`` and its parameter tree. Both layouts are
 understood: full ``BertForPreTraining``/``BertForMaskedLM`` checkpoints (``bert.`` prefix,
 ``cls.*`` heads) and encoder-only ones (no prefix, no ``cls.*``, e.g. sentence encoders). Heads
-absent from the checkpoint are initialised, and a log line says which.
+absent from the checkpoint are initialised, and a log line says which. ``path`` may also be a Hub
+id (``bert-base-uncased``, ``org/name@revision``), read through the Hugging Face cache (``resolve``;
+every reader here, and the tokenizer's, accepts one). The compute dtype defaults to training's
+rule (``model.dtype='auto'``: bf16 on TPUs, GPUs and CPUs with bf16 units, else f32).
 
 ``hf.save(model, params, out_dir, head="mlm" | "none", overwrite=False | True | "ours")`` writes a
 folder that ``transformers`` loads as ``BertForMaskedLM`` (``head="mlm"``) or ``BertModel``
@@ -38,9 +41,11 @@ layer N): ``load`` stacks the per-layer tensors into that layout (``bert.stack_l
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import time
@@ -51,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tacl_jax import __version__
+from tacl_jax import __version__, precision
 from tacl_jax.errors import UserError
 from tacl_jax.models import BertConfig, BertModel
 from tacl_jax.models.bert import SCAN_NAME, stack_layers, unstack_layers
@@ -84,14 +89,141 @@ class FolderError(UserError, ValueError):
 
 
 class FolderMissingError(UserError, FileNotFoundError):
-    """A Hugging Face folder, or a file it needs, that is not there."""
+    """A Hugging Face folder, or a file it needs, that is not there; or a Hub id that is neither
+    reachable nor in the Hugging Face cache."""
 
 
-def _check_folder(path: str) -> None:
-    if not os.path.isdir(path):
-        raise FolderMissingError(f"Hugging Face checkpoint folder {path!r} does not exist; give a local "
-                                "folder with config.json and model.safetensors (download one with "
-                                "`huggingface-cli download bert-base-uncased --local-dir DIR`)")
+# ----------------------------------------------------------------------------- folder or Hub id
+
+# What a Hub snapshot fetches: config and tokenizer, then the weights (safetensors, one file or
+# shards with their index; pytorch_model.bin only when the repo has no safetensors).
+_HUB_META = ("config.json",) + TOKENIZER_FILES
+_HUB_SAFETENSORS = ("model.safetensors", "model.safetensors.index.json", "model-*-of-*.safetensors")
+_HUB_TORCH = ("pytorch_model.bin",)
+# ``name`` or ``org/name``, optionally ``@revision`` (branch, tag or commit): the Hub's id syntax.
+_HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]*(?:/[A-Za-z0-9][A-Za-z0-9._-]*)?)"
+                     r"(?:@(?P<rev>[^\s@]+))?")
+
+
+def hub_cache_dir() -> str:
+    """The Hugging Face Hub cache folder, read from the environment at each call (HF_HUB_CACHE, else
+    HF_HOME/hub, else ~/.cache/huggingface/hub); huggingface_hub itself reads it once, at import."""
+    env = os.environ
+    home = env.get("HF_HOME") or os.path.join(
+        env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
+    path = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE") or os.path.join(home, "hub")
+    return os.path.expandvars(os.path.expanduser(path))
+
+
+def _hub_offline() -> bool:
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) set now or when huggingface_hub was imported."""
+    on = {"1", "ON", "YES", "TRUE"}
+    if any(os.environ.get(k, "").upper() in on for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
+        return True
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return False
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _hub_id(text: str) -> tuple[str, str | None] | None:
+    """``(repo_id, revision)`` when ``text`` has a Hub id's form, else None (a local-looking path:
+    ``/x``, ``./x``, ``~/x``, ``a/b/c``, ``gs://...``)."""
+    m = _HUB_ID.fullmatch(text)
+    if m is None or "--" in m["repo"] or ".." in m["repo"] or len(m["repo"]) > 96:
+        return None
+    return m["repo"], m["rev"]
+
+
+def resolve(path_or_id: str, *, weights: bool = True) -> str:
+    """A Hugging Face checkpoint named by a local folder or a Hub id -> a local folder.
+
+    An existing folder is returned as it is (``~`` expanded). A Hub id (``bert-base-uncased``,
+    ``org/name``, ``org/name@revision``) is fetched through huggingface_hub's cache (HF_HUB_CACHE /
+    HF_HOME honoured; with HF_HUB_OFFLINE=1 or no connection, the cache alone): config.json, the
+    tokenizer files and, with ``weights``, the weights; the snapshot folder is returned. Resolved
+    once per process per id (``_hub_snapshot`` is cached). A path that is not a folder and not an
+    id, or an id neither reachable nor cached, raises ``FolderMissingError`` with the fix."""
+    local = os.path.expanduser(path_or_id)
+    if os.path.isdir(local):
+        return local
+    if os.path.exists(local):
+        raise FolderMissingError(f"{path_or_id!r} is a file, not a Hugging Face checkpoint folder; give the "
+                                 "folder that holds config.json and the weights, or a Hub id")
+    hub = _hub_id(path_or_id)
+    if hub is None:
+        raise FolderMissingError(f"Hugging Face checkpoint folder {path_or_id!r} does not exist; give a local "
+                                 "folder (config.json, model.safetensors, tokenizer files) or a Hub id such "
+                                 "as bert-base-uncased, read through the Hugging Face cache")
+    return _hub_snapshot(hub[0], hub[1], weights, hub_cache_dir(), _hub_offline())
+
+
+@functools.cache
+def _hub_snapshot(repo_id: str, revision: str | None, weights: bool, cache_dir: str, offline: bool) -> str:
+    """The cache's snapshot folder of ``repo_id`` at ``revision``, downloaded first when online."""
+    shown = repo_id + (f"@{revision}" if revision else "")
+    get = f"`hf download {repo_id}{f' --revision {revision}' if revision else ''}`"
+    try:
+        import huggingface_hub
+        from huggingface_hub.utils import (
+            GatedRepoError,
+            HfHubHTTPError,
+            LocalEntryNotFoundError,
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
+    except ImportError:
+        raise FolderMissingError(f"{shown!r} is not a local folder, and reading it from the Hugging Face Hub "
+                                 "needs huggingface_hub (pip install huggingface_hub); or pass a local "
+                                 "folder") from None
+    try:  # a cached snapshot that lacks requested files (newer huggingface_hub versions check it offline)
+        from huggingface_hub.errors import IncompleteSnapshotError
+    except ImportError:
+        IncompleteSnapshotError = ()
+
+    def fetch(patterns) -> str:
+        return huggingface_hub.snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,
+                                                 local_files_only=offline, allow_patterns=list(patterns))
+
+    try:
+        try:
+            folder = fetch(_HUB_META + (_HUB_SAFETENSORS if weights else ()))
+        except IncompleteSnapshotError:
+            if not weights:
+                raise
+            folder = ""  # offline, a cache with pytorch_model.bin but not the repo's safetensors
+        if weights and not any(os.path.isfile(os.path.join(folder, n)) for n in _HUB_SAFETENSORS[:2]):
+            folder = fetch(_HUB_META + _HUB_TORCH)
+    except LocalEntryNotFoundError as e:  # offline or unreachable, and not (all) in the cache
+        cause = e.__cause__ or e
+        first = (str(cause).strip().splitlines() or [""])[0]
+        why = ("HF_HUB_OFFLINE is set" if offline
+               else f"the Hub could not be reached: {type(cause).__name__}: {first}")
+        where = ("is not a local folder and only partly in" if isinstance(e, IncompleteSnapshotError)
+                 else "is neither a local folder nor in")
+        raise FolderMissingError(
+            f"{shown!r} {where} the Hugging Face cache at {cache_dir} ({why}): run {get} on a machine with "
+            "internet and copy its cache here, set HF_HUB_CACHE to a cache that has it, or pass a local "
+            "folder") from None
+    except GatedRepoError:
+        raise FolderMissingError(f"{shown!r} is a gated repo on the Hugging Face Hub: accept its terms at "
+                                 f"https://huggingface.co/{repo_id} and log in (`hf auth login`), or pass a "
+                                 "local folder") from None
+    except RepositoryNotFoundError:
+        raise FolderMissingError(f"{shown!r} is neither a local folder nor a model on the Hugging Face Hub (a "
+                                 "private one needs `hf auth login`); check the spelling or pass a local "
+                                 "folder") from None
+    except RevisionNotFoundError:
+        raise FolderMissingError(f"the Hugging Face repo {repo_id!r} has no revision {revision!r}; give a "
+                                 "branch, tag or commit it has, or pass a local folder") from None
+    except HfHubHTTPError as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise FolderMissingError(f"{shown!r} could not be fetched from the Hugging Face Hub ({first}); "
+                                 f"retry, run {get} elsewhere and set HF_HUB_CACHE to that cache, or pass "
+                                 "a local folder") from None
+    log.info("%s: Hugging Face cache snapshot %s", shown, folder)
+    return folder
 
 
 def _damaged(fn: str, what: str) -> str:
@@ -110,8 +242,9 @@ def _read_json(fn: str) -> Any:
 
 
 def read_config(path: str) -> BertConfig:
-    """``path/config.json`` -> ``BertConfig`` (architecture fields only; numerics keep defaults)."""
-    _check_folder(path)
+    """``path/config.json`` -> ``BertConfig`` (architecture fields only; numerics keep defaults).
+    ``path``: a folder or a Hub id (``resolve``)."""
+    path = resolve(path)
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise FolderMissingError(f"{cfg_file} not found: a Hugging Face BERT folder needs config.json "
@@ -153,10 +286,12 @@ def _load_safetensors(fn: str) -> dict[str, np.ndarray]:
 
 
 def read_state_dict(path: str) -> dict[str, np.ndarray]:
-    """All tensors of a HF folder as float32 numpy arrays, keyed by their HF names.
+    """All tensors of a HF folder (or Hub id, ``resolve``) as float32 numpy arrays, keyed by their
+    HF names.
 
     A damaged weights file or index (truncated, garbage) raises ``ValueError`` naming it; no
     weights at all raise ``FileNotFoundError``."""
+    path = resolve(path)
     st, st_index, pt = (os.path.join(path, n) for n in
                         ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"))
     if os.path.isfile(st) or os.path.isfile(st_index):
@@ -306,26 +441,33 @@ def state_dict_to_params(sd: Mapping[str, np.ndarray], cfg: BertConfig,
 
 
 def load(path: str, *, seed: int = 0, **overrides) -> tuple[BertModel, dict]:
-    """A Hugging Face BERT folder -> ``(BertModel, params)``.
+    """A Hugging Face BERT folder, or Hub id (``bert-base-uncased``, ``org/name@revision``, read
+    through the Hugging Face cache; ``resolve``) -> ``(BertModel, params)``.
 
     ``overrides`` replace ``BertConfig`` fields (e.g. ``dtype="float32"``, ``with_nsp_head=True``,
-    ``hidden_dropout_prob=0.0``). Heads requested but absent from the checkpoint are initialised
-    from ``seed`` (BERT's N(0, 0.02) init), with a log line. Params are numpy float32 (host memory);
-    ``tacl_jax.parallel`` places them on the mesh.
+    ``hidden_dropout_prob=0.0``). ``dtype`` defaults to ``"auto"``, training's rule for the
+    platform of ``jax.devices()`` (``precision.resolve_compute_dtype``: bfloat16 on TPUs, GPUs and
+    CPUs with bf16 matmul units, float32 on other CPUs). Heads requested but absent from the
+    checkpoint are initialised from ``seed`` (BERT's N(0, 0.02) init), with a log line. Params are
+    numpy float32 (host memory); ``tacl_jax.parallel`` places them on the mesh.
 
     ``vocab_size`` is the checkpoint's: an override that differs from config.json, or a
     config.json that disagrees with the embedding rows, raises ``ValueError`` (zero rows for new
     tokens would train silently). A damaged config.json or weights file raises ``ValueError``
     naming the file.
     """
+    given, path = path, resolve(path)
     base = read_config(path)
     if overrides.get("vocab_size", base.vocab_size) != base.vocab_size:
         # Another vocabulary size would zero-pad (or cut) the checkpoint's embedding rows; say so
         # here, where the caller's own argument is the cause.
-        raise FolderError(f"hf.load({path!r}, vocab_size={overrides['vocab_size']}): its config.json "
+        raise FolderError(f"hf.load({given!r}, vocab_size={overrides['vocab_size']}): its config.json "
                          f"says vocab_size {base.vocab_size}, and a vocabulary cannot be resized on load; to add "
                          "tokens, resize in transformers (model.resize_token_embeddings(N), which "
                          "initialises the new rows) and save_pretrained")
+    dtype = overrides.get("dtype", "auto")
+    if isinstance(dtype, str) and dtype == "auto":  # training's rule (bert_config), for this process's devices
+        overrides["dtype"] = precision.resolve_compute_dtype("auto", precision.platform_of(jax.devices()))
     cfg = base.replace(**overrides)
     params, missing = state_dict_to_params(read_state_dict(path), cfg, source=path)
     wanted = {"pooler": cfg.with_pooler or cfg.with_nsp_head, "mlm": cfg.with_mlm_head, "nsp": cfg.with_nsp_head}
@@ -338,7 +480,7 @@ def load(path: str, *, seed: int = 0, **overrides) -> tuple[BertModel, dict]:
         for part in to_init:
             for n in names[part]:
                 params[n] = jax.tree.map(np.asarray, fresh[n])
-        log.info("%s has no %s head%s: initialised from seed %d", path, ", ".join(to_init),
+        log.info("%s has no %s head%s: initialised from seed %d", given, ", ".join(to_init),
                  "s" if len(to_init) > 1 else "", seed)
     for part, name in (("pooler", "pooler"), ("nsp", "nsp")):
         if not wanted[part]:
@@ -543,7 +685,7 @@ def _remove_stale_tmp(parent: str, name: str) -> None:
 def save(model: BertModel, params: Mapping, out_dir: str, head: str = "mlm",
          tokenizer_from: str | None = None, overwrite: bool | str = False) -> str:
     """Write ``params`` as a Hugging Face folder: config.json, model.safetensors, the tokenizer
-    files of ``tokenizer_from`` (if given) and ``tacl_jax_export.json`` (version, time, head and
+    files of ``tokenizer_from`` (if given: a folder or a Hub id) and ``tacl_jax_export.json`` (version, time, head and
     the list of files; transformers ignores it).
 
     The folder is written whole as a hidden sibling ``.{name}.tmp-{host}-{pid}`` and renamed into
@@ -568,6 +710,7 @@ def save(model: BertModel, params: Mapping, out_dir: str, head: str = "mlm",
     check_out_dir(out_dir, overwrite)
     tok_files = []
     if tokenizer_from:
+        tokenizer_from = resolve(tokenizer_from, weights=False)  # a folder or a Hub id
         tok_files = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(tokenizer_from, n))]
         if not tok_files:
             raise FileNotFoundError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {tokenizer_from}")

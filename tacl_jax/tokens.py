@@ -11,12 +11,13 @@ def default_special_ids(vocab_size: int) -> dict[str, int]:
 
 
 def run_special_ids(tokenizer_dir: str | None, vocab_size: int) -> dict[str, int]:
-    """``pad cls sep mask unk`` ids: the tokenizer's (checked against the model's vocabulary),
-    or the defaults for synthetic runs without a tokenizer."""
+    """``pad cls sep mask unk`` ids: the tokenizer's (a folder or a Hub id; checked against the
+    model's vocabulary), or the defaults for synthetic runs without a tokenizer."""
     if not tokenizer_dir:
         return default_special_ids(vocab_size)
     from tacl_jax.data import tokenization
 
+    tokenizer_dir = tokenization.tokenizer_folder(tokenizer_dir)
     tok = tokenization.load_tokenizer(tokenizer_dir)
     ids = tokenization.tokenizer_special_ids(tok, tokenizer_dir)
     missing = [k for k, v in ids.items() if v is None]

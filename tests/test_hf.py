@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")  # in the test extras; never skipped in CI
 import transformers  # noqa: E402
 
-from tacl_jax import hf  # noqa: E402
+from tacl_jax import hf, precision  # noqa: E402
 from tacl_jax.models import BertConfig, BertModel  # noqa: E402
 
 TINY = dict(vocab_size=203, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -50,10 +50,14 @@ def _ours(model, params, ids, mask, types, **kw):
                        deterministic=True, output_hidden_states=True, **kw)
 
 
-def test_forward_matches_transformers_bert_for_pretraining(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", None])
+def test_forward_matches_transformers_bert_for_pretraining(tmp_path, dtype, monkeypatch):
+    """``dtype=None``: hf.load's default, training's 'auto', is f32 on a CPU without bf16 units."""
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2"}))
     pt = _torch_model(transformers.BertForPreTraining)
     pt.save_pretrained(tmp_path)
-    model, params = hf.load(str(tmp_path), dtype="float32", with_nsp_head=True)
+    model, params = hf.load(str(tmp_path), with_nsp_head=True, **({"dtype": dtype} if dtype else {}))
+    assert model.config.dtype == "float32"
     ids, mask, types = _inputs()
     with torch.no_grad():
         ref = pt(torch.tensor(ids), attention_mask=torch.tensor(mask), token_type_ids=torch.tensor(types),
@@ -67,6 +71,22 @@ def test_forward_matches_transformers_bert_for_pretraining(tmp_path):
     np.testing.assert_allclose(np.asarray(out.mlm_logits)[valid], ref.prediction_logits.numpy()[valid],
                                atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(out.nsp_logits), ref.seq_relationship_logits.numpy(), atol=1e-4)
+
+
+def test_load_default_dtype_is_trainings_auto_rule(tmp_path, monkeypatch):
+    """hf.load computes in what ``model.dtype='auto'`` gives on this process's devices
+    (precision.resolve_compute_dtype); an explicit dtype is kept."""
+    pt = _torch_model(transformers.BertForMaskedLM)
+    pt.save_pretrained(tmp_path)
+    assert jax.devices()[0].platform == "cpu"
+    def dtype(**kw):  # no pooler: nothing to initialise, only reading
+        return hf.load(str(tmp_path), with_pooler=False, **kw)[0].config.dtype
+
+    assert dtype() == precision.resolve_compute_dtype("auto", "cpu")
+    for flags, want in (({"avx2"}, "float32"), ({"avx512_bf16"}, "bfloat16"), ({"amx_bf16"}, "bfloat16")):
+        monkeypatch.setattr(precision, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert dtype() == dtype(dtype="auto") == want
+        assert (dtype(dtype="bfloat16"), dtype(dtype="float32")) == ("bfloat16", "float32")
 
 
 def test_gathered_mlm_head_equals_full_head(tmp_path):

@@ -1,6 +1,7 @@
 """The run's Hugging Face fast tokenizer: loading, checking against the model, encoding sentences.
 
-The tokenizer is the one saved beside the init checkpoint (``config.init.hf_path``): a folder with
+The tokenizer is the one saved beside the init checkpoint (``config.init.hf_path``; a folder, or a
+Hub id read through the Hugging Face cache, ``tacl_jax.hf.resolve``) with
 ``tokenizer.json`` (read directly with the ``tokenizers`` library) or only ``vocab.txt`` (converted
 by ``transformers.AutoTokenizer``). Truncation and padding stored in ``tokenizer.json`` are turned
 off: the packers decide lengths, and a truncating tokenizer would silently drop corpus text.
@@ -34,13 +35,25 @@ def default_tokenizer_dir() -> str:
     return os.path.join(list(spec.submodule_search_locations)[0], "model")
 
 
+def tokenizer_folder(tokenizer_dir: str) -> str:
+    """``tokenizer_dir`` when it is a folder, else the Hugging Face cache folder of the Hub id it
+    names (``tacl_jax.hf.resolve`` without the weights; imported only then: it loads jax)."""
+    if os.path.isdir(tokenizer_dir):
+        return tokenizer_dir
+    from tacl_jax import hf  # pylint: disable=import-outside-toplevel
+
+    return hf.resolve(tokenizer_dir, weights=False)
+
+
 def load_tokenizer(tokenizer_dir: str | None) -> tokenizers.Tokenizer:
-    """A fast tokenizer with truncation and padding off. Raises FileNotFoundError with the fix."""
+    """A fast tokenizer (from a folder or a Hub id) with truncation and padding off. Raises
+    FileNotFoundError with the fix."""
     if not tokenizer_dir:
         raise FileNotFoundError(
             "text sources need the run's tokenizer, but no tokenizer folder was given: set "
             "config.init.hf_path to a Hugging Face checkpoint folder with tokenizer.json or "
             "vocab.txt (use config.data.source='synthetic' to train without text)")
+    tokenizer_dir = tokenizer_folder(tokenizer_dir)
     path = os.path.join(tokenizer_dir, "tokenizer.json")
     if os.path.isfile(path):
         tok = tokenizers.Tokenizer.from_file(path)
@@ -62,9 +75,11 @@ def tokenizer_special_ids(tok: tokenizers.Tokenizer, tokenizer_dir: str | None =
     """``{'pad','cls','sep','mask','unk'} -> id`` from the tokenizer's own special tokens.
 
     Token strings come from ``special_tokens_map.json`` / ``tokenizer_config.json`` when present,
-    else BERT's ``[PAD] [CLS] [SEP] [MASK] [UNK]``. A missing token maps to None.
+    else BERT's ``[PAD] [CLS] [SEP] [MASK] [UNK]``. A missing token maps to None. ``tokenizer_dir``:
+    a folder or a Hub id.
     """
     names = dict(_DEFAULT_SPECIAL_TOKENS)
+    tokenizer_dir = tokenizer_folder(tokenizer_dir) if tokenizer_dir else tokenizer_dir
     for filename in ("tokenizer_config.json", "special_tokens_map.json"):
         path = os.path.join(tokenizer_dir or "", filename)
         if tokenizer_dir and os.path.isfile(path):
