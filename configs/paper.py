@@ -68,12 +68,8 @@ import os
 from tacl_jax.config import load_config_file
 
 
-def _base_config():
-    return load_config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "base.py"))
-
-
 def get_config():
-    c = _base_config()
+    c = load_config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "base.py"))
     c.data.packing = "nsp_pairs"          # BERT sentence pairs ...
     c.nsp = True                          # ... and the next-sentence loss (weight 1)
     c.tacl.teacher_dropout = True         # their teacher in train mode (a bug they acknowledged)
