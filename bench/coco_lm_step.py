@@ -3,14 +3,17 @@
     python bench/coco_lm_step.py                              # small, bf16
     python bench/coco_lm_step.py --size=small --precision=fp32 --steps=10 --warmup=2
 
-The step is ``tacl_jax.train.coco_step.make_coco_train_step`` built as the training loop builds it
-(``init_coco_state`` on a 1-device mesh, AdamW + clip, jitted with shardings, the state donated),
-on BERT's synthetic batches (``[CLS] A [SEP] B [SEP]``, 10% short rows, bert-base-uncased ids).
-Sizes as ``bench/step_throughput.py`` (``small`` = 4 layers, hidden 256, 4 heads, ffn 1024,
-L = 128, batch 16); generator ``--generator_layers`` (default 2: the released COCO-LM small's).
+The step is the training loop's: ``tacl_jax.train.setup.build_program``'s jitted COCO-LM step
+(``coco_step.make_coco_train_step``, jitted with shardings, the state donated) on one CPU device,
+the state from ``setup.create_coco_state``, on BERT's synthetic batches (``[CLS] A [SEP] B [SEP]``,
+10% short rows, bert-base-uncased ids). The recipe is ``configs/coco_lm_base.py``'s (its loss,
+masking and Adam (0.9, 0.98), eps 1e-6, lr 5e-4, weight decay 0.01, clip 2.0) with one warm-up
+step, no accumulation and SCL groups of at most the batch. Sizes as ``bench/step_throughput.py``
+(``small`` = 4 layers, hidden 256, 4 heads, ffn 1024, L = 128, batch 16); generator
+``--generator_layers`` (default 2: the released COCO-LM small's).
 ``tokens_per_s = batch · seq · timed_steps / Σ step time`` (padding included).
 
-MFU. Model FLOPs of a step = ``tacl_jax.train.coco_step.coco_step_flops``: the generator's forward
+MFU. Model FLOPs of a step = the program's ``flops_per_step`` (``coco_step.coco_step_flops``): the generator's forward
 and backward (3×) plus its no-dropout sampling forward, each with the MLM head on the P gathered
 slots; the main model's forward and backward on the corrupted *and* the cropped views (2 × L
 tokens per sequence), with the tied CLM decoder on the P slots. The peak is measured in the same
@@ -32,7 +35,26 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from step_throughput import PRECISIONS, SIZES, VOCAB, worker_matmul  # noqa: E402  pylint: disable=wrong-import-position
+from step_throughput import PRECISIONS, SIZES, VOCAB, synthetic_batches, worker_matmul  # noqa: E402  pylint: disable=wrong-import-position
+
+
+def coco_lm_config(size: str = "small", precision: str = "bf16", steps: int = 10, warmup: int = 2,
+                   generator_layers: int = 2):
+    """``configs/coco_lm_base.py`` at ``size``: the bench's run config."""
+    from tacl_jax.config import load_config_file
+
+    sz = SIZES[size]
+    c = load_config_file(os.path.join(REPO, "configs", "coco_lm_base.py"))
+    c.coco_lm.generator_layers = generator_layers
+    c.init.scratch.update(vocab_size=VOCAB, hidden_size=sz["hidden"], num_hidden_layers=sz["layers"],
+                          num_attention_heads=sz["heads"], intermediate_size=sz["intermediate"],
+                          max_position_embeddings=512)
+    c.max_len, c.global_batch_size, c.grad_accum_steps = sz["seq"], sz["batch"], 1
+    c.coco_lm.scl_group_size = min(c.coco_lm.scl_group_size, sz["batch"])   # base's batch 8 < the recipe's 16
+    c.num_train_steps = warmup + steps
+    c.optim.warmup_steps = 1
+    c.model.dtype = PRECISIONS[precision]
+    return c
 
 
 def coco_lm_row(size: str = "small", precision: str = "bf16", steps: int = 10, warmup: int = 2,
@@ -41,50 +63,21 @@ def coco_lm_row(size: str = "small", precision: str = "bf16", steps: int = 10, w
     import flax.linen as nn
     import jax
 
-    from tacl_jax import config as config_lib
-    from tacl_jax import flops as flops_lib
-    from tacl_jax import parallel, tokens
-    from tacl_jax.data import synthetic
-    from tacl_jax.objectives.coco_lm import coco_lm_config
-    from tacl_jax.train import coco_step
-    from tacl_jax.train.optimizer import make_optimizer
+    from tacl_jax import tokens
+    from tacl_jax.train import setup
 
     sz = SIZES[size]
-    c = config_lib.default_config()
-    c.objective = "coco_lm"
-    c.coco_lm = coco_lm_config()
-    c.coco_lm.generator_layers = generator_layers
-    c.init.scratch.update(vocab_size=VOCAB, hidden_size=sz["hidden"], num_hidden_layers=sz["layers"],
-                          num_attention_heads=sz["heads"], intermediate_size=sz["intermediate"],
-                          max_position_embeddings=512)
-    c.masking.replace_prob, c.masking.random_prob = 1.0, 0.0
-    c.max_len, c.global_batch_size = sz["seq"], sz["batch"]
-    c.coco_lm.scl_group_size = min(c.coco_lm.scl_group_size, sz["batch"])   # base's batch 8 < the default 16
-    c.num_train_steps = warmup + steps
-    c.model.dtype = PRECISIONS[precision]
-    c.optim.update(learning_rate=5e-4, warmup_steps=1, b2=0.98, eps=1e-6, weight_decay=0.01, clip_norm=2.0)
-
+    c = coco_lm_config(size, precision, steps, warmup, generator_layers)
     t0 = time.perf_counter()
-    mesh = parallel.make_mesh(dict(data=1, fsdp=1, tensor=1), jax.devices()[:1])
-    rules = parallel.LOGICAL_AXIS_RULES
-    tx, schedule = make_optimizer(c.optim, c.num_train_steps)
-    state, state_sh, model = coco_step.init_coco_state(c, mesh, rules, tx=tx)
-    special = tokens.default_special_ids(VOCAB)
-    sc = coco_step.coco_step_config_from(c, special, mesh)
-    train_step = coco_step.make_coco_train_step(model, sc, tx, schedule)
-    repl = parallel.replicated(mesh)
-    p_step = jax.jit(train_step, in_shardings=(state_sh, None, None, repl), out_shardings=(state_sh, repl),
-                     donate_argnums=(0,))
-    batches = [parallel.global_batch(synthetic.global_batch(
-        c.seed, s, c.global_batch_size, max_len=c.max_len, vocab_size=VOCAB, first_regular_id=999,
-        cls_id=special["cls"], sep_id=special["sep"], pad_id=special["pad"], short_seq_prob=0.1), mesh)
-        for s in range(c.num_train_steps)]
+    prog = setup.build_program(c, jax.devices()[:1], special_ids=tokens.default_special_ids(VOCAB))
+    state, _ = setup.create_coco_state(prog.model, prog.tx, prog.mesh, prog.rules, c.seed, c.max_len)
+    batches = synthetic_batches(prog)
     rng = jax.random.key(c.seed)
     build_s = time.perf_counter() - t0
 
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    with jax.set_mesh(prog.mesh), nn.logical_axis_rules(prog.rules):
         t0 = time.perf_counter()
-        compiled = p_step.lower(state, None, batches[0], rng).compile()
+        compiled = prog.train_step.lower(state, None, batches[0], rng).compile()
         compile_s = time.perf_counter() - t0
         times, hist = [], []
         for i, batch in enumerate(batches):
@@ -97,7 +90,7 @@ def coco_lm_row(size: str = "small", precision: str = "bf16", steps: int = 10, w
 
     tok = sz["batch"] * sz["seq"]
     tps = tok * len(times) / sum(times)
-    step_flops = coco_step.coco_step_flops(model, sc, batch=sz["batch"], length=sz["seq"])
+    step_flops = prog.flops_per_step
     achieved = step_flops / statistics.median(times)
     peaks = _matmul_peaks()
     row = dict(bench="coco_lm_step", impl="tacl_jax", size=size, precision=precision,
@@ -108,7 +101,7 @@ def coco_lm_row(size: str = "small", precision: str = "bf16", steps: int = 10, w
                model_gflops=achieved / 1e9, matmul_f32_gflops=peaks["f32"] / 1e9,
                matmul_bf16_gflops=peaks["bf16"] / 1e9, mfu_of_f32_peak=achieved / peaks["f32"],
                mfu_of_bf16_peak=achieved / peaks["bf16"])
-    table = flops_lib.peak_flops_of_kind(jax.devices()[0].device_kind)
+    table = prog.peak_flops_per_device   # tacl_jax.flops.PEAK_FLOPS by device kind
     if table:
         row["mfu"] = achieved / table
     for k in ("loss", "gen_mlm_loss", "binary_loss", "binary_acc", "clm_loss", "scl_loss", "replaced_frac"):

@@ -6,9 +6,9 @@
     python bench/step_throughput.py --breakdown --sizes=base --precisions=bf16   # where time goes
     python bench/step_throughput.py --remat --sizes=small_l512 --precisions=fp32 --steps=1 --warmup=1
 
-What is compared. Our step is ``tacl_jax.train.step.make_train_step`` built as the training loop
-builds it (``init.from_scratch=True``, ``objective='tacl'``, NSP off, frozen head-less teacher in
-fresh buffers, AdamW + clip 1.0, jitted with shardings on a 1-device mesh, the state donated); the
+What is compared. Our step is the training loop's: ``tacl_jax.train.setup.build_program``'s
+jitted step on one CPU device (``init.from_scratch=True``, ``objective='tacl'``, NSP off, frozen
+head-less teacher in fresh buffers, AdamW + clip 1.0, jitted with shardings, the state donated); the
 masking runs inside our step. The peer is ``../shared/bench/torch_tacl.py --head mlm`` (the
 original's arithmetic: full-vocabulary MLM logits at every position, teacher with dropout on,
 fp32 eager PyTorch, 2 threads, masking done on the host outside its timing). Both use BERT's
@@ -37,31 +37,16 @@ default: bf16 on TPU/GPU and on CPUs with bf16 matmul units, f32 elsewhere, see
 ``tacl_jax.precision``; the JSON's ``default_resolves_to`` says which) and ``bf16`` (``bfloat16``
 compute, f32 params and accumulation, forced); the peer is always fp32.
 
-MFU. Model FLOPs per token (a matmul [m, k]·[k, n] is 2·m·k·n FLOPs; per token, per layer, with
-N layers, hidden d, ffn I, length L, vocabulary V, P MLM slots per sequence):
-
-* encoder layer, forward: Q, K, V and output projections 4·(2·d·d) = 8d²; FFN 2·(2·d·I) = 4dI;
-  attention scores Q·Kᵀ and probs·V over all L keys (bidirectional, nothing halved)
-  2·(2·L·d) = 4Ld  ->  ``F_layer = 8d² + 4dI + 4Ld``;
-* the student's last layer at the P predicted positions only (MLM and TaCL read nothing else of
-  it; ``model.gather_last_layer``): K and V for every token, the rest per slot
-  ->  ``F_last = 4d² + (P/L)·(4d² + 4dI + 4Ld)``;
-* gathered MLM head, forward, per token: the P slots of a sequence shared by its L tokens,
-  transform 2d² plus tied decoder 2dV per slot  ->  ``F_head = (P/L)·(2d² + 2dV)``;
-* TaCL scores sᵢⱼ = <hsᵢ, htⱼ> of the P anchors over L keys: forward 2Ld, backward (student side
-  only) 2Ld  ->  ``F_tacl = (P/L)·4Ld``;
-* training = forward + backward (2× forward) for the student, forward only for the frozen teacher:
-
-      FLOPs/token = 3·((N-1)·F_layer + F_last + F_head) + N·F_layer + F_tacl
-
-  (embeddings, LayerNorm, softmax, GELU, dropout and the optimizer are not counted, as usual.)
-  ``MFU = tokens/s · FLOPs/token / peak``, per device (one CPU here). The same useful FLOPs are
-  used for the peer (which in fact computes the vocabulary projection and the last layer at all L
-  positions, so its hardware FLOPs are higher): ``mfu`` ratios equal ``tokens/s`` ratios.
-  ``--full_flops`` counts the last layer and the TaCL scores at every position instead (the
-  formula before the gathered last layer: 12.4% more FLOPs per token at ``small``, 4.6% at
-  ``base``). ``P = round(0.15·L)`` (19 at L = 128), what both implementations predict at most per
-  sequence.
+MFU. Model FLOPs per token = ``tacl_jax.flops.sequence_flops`` (the formula ``flops_per_step`` and
+the training loop's MFU use; its module doc gives it) of the default step, over its L tokens, with
+P = the step's prediction slots (``step_config_from``: ``round(0.15·L)``, 19 at L = 128, what both
+implementations predict at most per sequence); embeddings, LayerNorm, softmax, GELU, dropout and
+the optimizer are not counted. ``MFU = tokens/s · FLOPs/token / peak``, per device (one CPU here).
+The same useful FLOPs are used for the peer (which in fact computes the vocabulary projection and
+the last layer at all L positions, so its hardware FLOPs are higher): ``mfu`` ratios equal
+``tokens/s`` ratios. ``--full_flops`` counts the last layer and the TaCL scores at every position
+instead (``gathered_last_layer=False, anchors=L``: the formula before the gathered last layer,
+12.4% more FLOPs per token at ``small``, 4.6% at ``base``).
 
 Targets (issue 5, 2-core CPU): fp32 ratio >= 2.5 (small) / 2.2 (base); default-precision ratio
 >= 3.5 / 3.0; MFU at base >= 75% of the f32 peak in fp32 and >= 45% of the default precision's own
@@ -129,28 +114,59 @@ ABLATIONS = {
 MALLOC = {"malloc": "tuned"}   # set from --malloc in main(); read by _worker_env / _peer_env
 
 
-# ----------------------------------------------------------------------------- FLOPs
+# ----------------------------------------------------------------------------- the step's config and FLOPs
 
-def num_predictions(seq: int, mask_prob: float = 0.15) -> int:
-    return max(1, int(round(mask_prob * seq)))
+def bench_config(args):
+    """The run config of our step at ``args.size`` / ``args.precision`` with the worker's levers
+    (``parse_args`` defaults: the default step)."""
+    sys.path.insert(0, REPO)
+    from tacl_jax import config as config_lib
+
+    sz = SIZES[args.size]
+    c = config_lib.default_config()
+    c.objective = "tacl"
+    c.nsp = False
+    c.init.from_scratch = True
+    c.init.scratch.update(vocab_size=VOCAB, hidden_size=sz["hidden"], num_hidden_layers=sz["layers"],
+                          num_attention_heads=sz["heads"], intermediate_size=sz["intermediate"],
+                          max_position_embeddings=512)
+    c.max_len = sz["seq"]
+    c.global_batch_size = sz["batch"]
+    c.num_train_steps = args.warmup + args.steps
+    c.model.dtype = PRECISIONS[args.precision]
+    c.tacl.teacher_param_dtype = args.teacher_dtype
+    c.model.remat_policy = args.remat_policy
+    c.model.scan_layers = bool(args.scan_layers)
+    c.model.dropout_bits = args.dropout_bits
+    # The full-vocabulary head needs every position's last-layer state.
+    c.model.gather_last_layer = not (args.full_last_layer or args.full_vocab_head)
+    c.optim.fused = not args.optax_adamw
+    if args.no_dropout:
+        c.model.hidden_dropout_prob = 0.0
+        c.model.attention_probs_dropout_prob = 0.0
+    config_lib.validate(c)
+    return c
 
 
-def model_flops_per_token(layers: int, hidden: int, intermediate: int, seq: int, vocab: int = VOCAB,
-                          predictions: int | None = None, gathered_last_layer: bool = True) -> dict:
-    """The formula of the module doc, with its parts."""
-    d, i, n, length = hidden, intermediate, layers, seq
-    p = num_predictions(seq) if predictions is None else predictions
-    layer = 8 * d * d + 4 * d * i + 4 * length * d
-    head = p / length * (2 * d * d + 2 * d * vocab)
-    if gathered_last_layer:
-        last = 4 * d * d + p / length * (4 * d * d + 4 * d * i + 4 * length * d)
-        tacl = p / length * 4 * length * d
-    else:
-        last, tacl = layer, 4 * length * d
-    student_fwd = (n - 1) * layer + last + head
-    total = 3 * student_fwd + n * layer + tacl
-    return dict(total=total, student_forward=student_fwd, teacher_forward=n * layer, layer_forward=layer,
-                mlm_head_forward=head, tacl=tacl, predictions_per_sequence=p)
+def model_flops_per_token(size: str, gathered_last_layer: bool = True) -> dict:
+    """``tacl_jax.flops.sequence_flops`` of the default step at ``size`` (its prediction slots:
+    ``step_config_from``'s), per token, with ``predictions_per_sequence``.
+    ``gathered_last_layer=False`` (``--full_flops``): the last layer and the TaCL scores at every
+    position."""
+    sys.path.insert(0, REPO)
+    from tacl_jax import tokens
+    from tacl_jax.flops import sequence_flops
+    from tacl_jax.train import setup
+    from tacl_jax.train.step import step_config_from
+
+    c = bench_config(parse_args([f"--size={size}"]))
+    sc = step_config_from(c, tokens.default_special_ids(VOCAB))
+    parts = sequence_flops(setup.bert_config(c, None, "cpu"), length=c.max_len, predictions=sc.max_predictions,
+                           teacher=sc.uses_teacher, gathered_last_layer=sc.gather_last_layer and gathered_last_layer,
+                           anchors=None if gathered_last_layer else c.max_len)
+    out = {k: v / c.max_len for k, v in parts.items()}
+    out["predictions_per_sequence"] = sc.max_predictions
+    return out
 
 
 # ----------------------------------------------------------------------------- workers (subprocesses)
@@ -220,12 +236,8 @@ def _build_ours(args):
 
     if args.prng != "threefry":
         jax.config.update("jax_default_prng_impl", args.prng)
-    from tacl_jax import config as config_lib
-    from tacl_jax import parallel, tokens
-    from tacl_jax.data import synthetic
+    from tacl_jax import tokens
     from tacl_jax.train import setup
-    from tacl_jax.train.optimizer import make_optimizer
-    from tacl_jax.train.step import make_train_step, step_config_from
 
     if args.plain_autodiff:
         from tacl_jax.models import layers
@@ -270,61 +282,35 @@ def _build_ours(args):
             return logz - gold, (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
         combined.mlm_per_position = xent
 
-    sz = SIZES[args.size]
-    c = config_lib.default_config()
-    c.objective = "tacl"
-    c.nsp = False
-    c.init.from_scratch = True
-    c.init.scratch.update(vocab_size=VOCAB, hidden_size=sz["hidden"], num_hidden_layers=sz["layers"],
-                          num_attention_heads=sz["heads"], intermediate_size=sz["intermediate"],
-                          max_position_embeddings=512)
-    c.max_len = sz["seq"]
-    c.global_batch_size = sz["batch"]
-    c.num_train_steps = args.warmup + args.steps
-    c.model.dtype = PRECISIONS[args.precision]
-    c.tacl.teacher_param_dtype = args.teacher_dtype
-    c.model.remat_policy = args.remat_policy
-    c.model.scan_layers = bool(args.scan_layers)
-    c.model.dropout_bits = args.dropout_bits
-    # The full-vocabulary head needs every position's last-layer state.
-    c.model.gather_last_layer = not (args.full_last_layer or args.full_vocab_head)
-    c.optim.fused = not args.optax_adamw
-    if args.no_dropout:
-        c.model.hidden_dropout_prob = 0.0
-        c.model.attention_probs_dropout_prob = 0.0
-    config_lib.validate(c)
-
-    mesh = parallel.make_mesh(dict(data=1, fsdp=1, tensor=1), jax.devices()[:1])
-    rules = parallel.LOGICAL_AXIS_RULES
-    model, _ = setup.build_model(c)
+    c = bench_config(args)
     if args.full_vocab_head:
-        model = _full_head_model(model)
-    tx, schedule = make_optimizer(c.optim, c.num_train_steps)
-    state, state_sh = setup.create_state(model, tx, mesh, rules, c.seed, c.max_len)
-    special = tokens.default_special_ids(VOCAB)
-    step_cfg = step_config_from(c, special)
-    teacher, teacher_sh = setup.create_teacher(state.params, state_sh.params, c.tacl.teacher_param_dtype,
-                                              model.config.dtype)
-    train_step = make_train_step(model, step_cfg, tx, schedule, teacher_model=setup.teacher_of(model))
-
-    def batch(step):
-        return synthetic.global_batch(c.seed, step, c.global_batch_size, max_len=c.max_len, vocab_size=VOCAB,
-                                      first_regular_id=999, cls_id=special["cls"], sep_id=special["sep"],
-                                      pad_id=special["pad"], short_seq_prob=0.1)
-
-    repl = parallel.replicated(mesh)
-    # As the training loop jits it: shardings given, batch sharding inferred, the state donated.
-    p_step = jax.jit(train_step, in_shardings=(state_sh, teacher_sh, None, repl),
-                     out_shardings=(state_sh, repl), donate_argnums=(0,))
-    batches = [parallel.global_batch(batch(s), mesh) for s in range(c.num_train_steps)]
-    ctx = (jax.set_mesh(mesh), nn.logical_axis_rules(rules))
-    return dict(config=c, model=model, state=state, teacher=teacher, p_step=p_step, batches=batches, ctx=ctx,
-                step_cfg=step_cfg, rng=jax.random.key(c.seed), mesh=mesh, rules=rules)
+        # Ablation only: the student built as FullHeadBert (the class setup builds models of).
+        setup.BertModel = _full_head_model_class()
+    prog = setup.build_program(c, jax.devices()[:1], special_ids=tokens.default_special_ids(VOCAB))
+    state, state_sh = setup.create_state(prog.model, prog.tx, prog.mesh, prog.rules, c.seed, c.max_len)
+    teacher, _ = setup.create_teacher(state.params, state_sh.params, prog.teacher_dtype, prog.model.config.dtype)
+    # prog.train_step: jitted as the training loop runs it (shardings given, the state donated).
+    batches = synthetic_batches(prog)
+    ctx = (jax.set_mesh(prog.mesh), nn.logical_axis_rules(prog.rules))
+    return dict(config=c, prog=prog, model=prog.model, state=state, teacher=teacher, p_step=prog.train_step,
+                batches=batches, ctx=ctx, step_cfg=prog.step_cfg, rng=jax.random.key(c.seed))
 
 
-def _full_head_model(model):
-    """Ablation: the vocabulary projection at every position, gathered afterwards (the peer's
-    arithmetic); same parameters and outputs as the gathered head."""
+def synthetic_batches(prog) -> list:
+    """``num_train_steps`` global batches for ``prog``'s step (a ``setup.Program``): BERT's synthetic
+    ``[CLS] A [SEP] B [SEP]`` rows (10% short, bert-base-uncased ids, ``prog.special_ids``)."""
+    from tacl_jax.data import synthetic
+
+    c, special = prog.config, prog.special_ids
+    return [prog.global_batch(synthetic.global_batch(
+        c.seed, s, c.global_batch_size, max_len=c.max_len, vocab_size=VOCAB, first_regular_id=999,
+        cls_id=special["cls"], sep_id=special["sep"], pad_id=special["pad"], short_seq_prob=0.1))
+        for s in range(c.num_train_steps)]
+
+
+def _full_head_model_class():
+    """Ablation: a BertModel with the vocabulary projection at every position, gathered afterwards
+    (the peer's arithmetic); same parameters and outputs as the gathered head."""
     import jax.numpy as jnp
 
     from tacl_jax.models import BertModel
@@ -336,7 +322,7 @@ def _full_head_model(model):
                 return logits
             return jnp.take_along_axis(logits, positions[..., None].astype(jnp.int32), axis=1)
 
-    return FullHeadBert(model.config)
+    return FullHeadBert
 
 
 def worker_ours(args) -> dict:
@@ -384,11 +370,10 @@ def worker_breakdown(args) -> dict:
     import jax.numpy as jnp
 
     from tacl_jax.objectives import mask_tokens, objective_sums
-    from tacl_jax.train.setup import teacher_of
     from tacl_jax.train.step import make_loss_and_grads, student_forward
 
     b = _build_ours(args)
-    model, sc, teacher_model = b["model"], b["step_cfg"], teacher_of(b["model"])
+    model, sc, teacher_model = b["model"], b["step_cfg"], b["prog"].teacher_model
     params, teacher, batch, rng = b["state"].params, b["teacher"], b["batches"][0], b["rng"]
     vocab = model.config.vocab_size
 
@@ -547,9 +532,7 @@ def main_compare(args) -> dict:
            "matmul_f32_gflops_median": _median([p.get("f32_gflops_median") for p in peaks]),
            "matmul_bf16_gflops_median": _median([p.get("bf16_gflops_median") for p in peaks])}
     for size in sizes:
-        s = SIZES[size]
-        fl = model_flops_per_token(s["layers"], s["hidden"], s["intermediate"], s["seq"],
-                                   gathered_last_layer=not args.full_flops)
+        fl = model_flops_per_token(size, gathered_last_layer=not args.full_flops)
         out[f"{size}_model_flops_per_token"] = fl["total"]
         peer = [rec[f"{size}_peer"] for rec in rounds]
         peer_tps = _median([p.get("tokens_per_s") for p in peer])
@@ -693,7 +676,6 @@ def parse_args(argv=None):
     p.add_argument("--breakdown", action="store_true", help="time the parts of our step")
     p.add_argument("--remat", action="store_true", help="peak memory per model.remat_policy (none/full/save_dots)")
     p.add_argument("--remat_policy", default="none", help=argparse.SUPPRESS)
-    p.add_argument("--scan_layers", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--coco_lm", action="store_true", help="add COCO-LM step rows at `small` (bench/coco_lm_step.py)")
     # worker-only
     p.add_argument("--worker", choices=("ours", "matmul", "breakdown"), default=None, help=argparse.SUPPRESS)
@@ -701,18 +683,13 @@ def parse_args(argv=None):
     p.add_argument("--precision", default="bf16", help=argparse.SUPPRESS)
     p.add_argument("--prng", default="threefry", help=argparse.SUPPRESS)
     p.add_argument("--teacher_dtype", default="compute", help=argparse.SUPPRESS)
-    p.add_argument("--no_dropout", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--optax_adamw", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dropout_bits", type=int, default=16, help=argparse.SUPPRESS)
     p.add_argument("--full_flops", action="store_true",
                    help="MFU from FLOPs with the last layer at every position (see the module doc)")
-    p.add_argument("--full_vocab_head", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--full_last_layer", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--plain_autodiff", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--jax_gelu", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--xla_rows_dot", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--xla_attention", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--autodiff_xent", action="store_true", help=argparse.SUPPRESS)
+    # the levers of ABLATIONS and --remat (worker-only switches)
+    for lever in ("scan_layers", "no_dropout", "optax_adamw", "full_vocab_head", "full_last_layer", "plain_autodiff",
+                  "jax_gelu", "xla_rows_dot", "xla_attention", "autodiff_xent"):
+        p.add_argument(f"--{lever}", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--profile_dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--matmul_n", type=int, default=2048, help=argparse.SUPPRESS)
     p.add_argument("--matmul_reps", type=int, default=5, help=argparse.SUPPRESS)

@@ -136,12 +136,7 @@ def make_config(objective: str, overrides: dict, *, init: str, train: str, steps
     c.export_at_end = False
     c.checkpoint.every = 10 ** 9   # only the final one
     c.seed = args.seed
-    for key, value in overrides.items():
-        node = c
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
+    c.update_from_flattened_dict(overrides)   # dotted keys, as --config.x.y=v
     return c
 
 

@@ -8,8 +8,9 @@ Counted (a matmul of ``[m, k] × [k, n]`` is ``2·m·k·n`` FLOPs; element-wise 
   ``2·(d² + d·V)`` — the transform and the tied decoder;
 * student: forward + backward = 3 × forward (encoder + head);
 * teacher (TaCL): one encoder forward, no head, no backward.
-* TaCL's scores: ``2·L·d`` per anchor (the predicted slots: only their scores are computed)
-  forward and again backward (student side only; the teacher gets no gradient);
+* TaCL's scores: ``2·L·d`` per anchor (the predicted slots: only their scores are computed;
+  ``anchors=L`` counts every position's, as the original computes them) forward and again
+  backward (student side only; the teacher gets no gradient);
 * with the gathered last layer (``model.gather_last_layer``: the student's last layer only at
   the ``P`` predicted positions, the only ones its losses read), that layer counts K and V per
   token (``2·2·d²``) and the rest per slot (``2·(2·d² + 2·d·I) + 4·L·d``): the FLOPs it does.
@@ -39,23 +40,41 @@ def encoder_flops_per_token(layers: int, d: int, ffn: int, length: int) -> float
     return layers * (2 * (4 * d * d + 2 * d * ffn) + 4 * length * d)
 
 
+def sequence_flops(cfg, *, length: int, predictions: int, teacher: bool, gathered_last_layer: bool = False,
+                   anchors: int | None = None) -> dict[str, int]:
+    """Model FLOPs of one train step's sequence of ``length`` tokens, by part (the module doc's
+    formula; :func:`step_flops` is ``batch ×`` its ``total``). ``cfg``: anything with a
+    ``BertConfig``'s ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``, ``vocab_size``;
+    ``predictions``: MLM slots per sequence; ``anchors``: TaCL anchors per sequence whose scores
+    are computed (default ``predictions``).
+
+    Parts (forward FLOPs unless said): ``layer_forward`` (one encoder layer at every position),
+    ``student_forward`` (the encoder, gathered last layer or not, plus the MLM head),
+    ``mlm_head_forward``, ``teacher_forward`` (0 without a teacher), ``tacl`` (the scores, forward
+    and backward; 0 without a teacher), ``total`` = 3 · student_forward + teacher_forward + tacl."""
+    d, ffn, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    p = predictions
+    layer = encoder_flops_per_token(1, d, ffn, length) * length
+    if gathered_last_layer:   # K and V at every position, the rest at the P slots
+        last = 2 * 2 * d * d * length + (encoder_flops_per_token(1, d, ffn, length) - 2 * 2 * d * d) * p
+    else:
+        last = layer
+    head = 2 * (d * d + d * cfg.vocab_size) * p
+    student = (n - 1) * layer + last + head
+    teacher_fwd = n * layer if teacher else 0
+    tacl = 2 * 2 * length * d * (p if anchors is None else anchors) if teacher else 0
+    return dict(total=3 * student + teacher_fwd + tacl, student_forward=student, teacher_forward=teacher_fwd,
+                layer_forward=layer, mlm_head_forward=head, tacl=tacl)
+
+
 def step_flops(cfg, *, batch: int, length: int, predictions: int, teacher: bool,
-               gathered_last_layer: bool = False) -> float:
+               gathered_last_layer: bool = False, anchors: int | None = None) -> float:
     """Model FLOPs of one optimizer step over a global batch of ``batch × length`` tokens.
     ``cfg`` is a ``BertConfig``; ``predictions`` = MLM slots per sequence;
-    ``gathered_last_layer``: the student's last layer only at those slots."""
-    tokens, slots = batch * length, batch * predictions
-    d, ffn, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
-    enc = encoder_flops_per_token(n, d, ffn, length) * tokens
-    student = enc
-    if gathered_last_layer:
-        student = (encoder_flops_per_token(n - 1, d, ffn, length) * tokens + 2 * 2 * d * d * tokens
-                   + (2 * (2 * d * d + 2 * d * ffn) + 4 * length * d) * slots)
-    head = 2 * (d ** 2 + d * cfg.vocab_size) * slots
-    total = 3 * (student + head)
-    if teacher:
-        total += enc + 2 * 2 * length * d * slots
-    return float(total)
+    ``gathered_last_layer``: the student's last layer only at those slots; ``anchors``: TaCL
+    anchors per sequence (default ``predictions``). See :func:`sequence_flops`."""
+    return float(batch * sequence_flops(cfg, length=length, predictions=predictions, teacher=teacher,
+                                        gathered_last_layer=gathered_last_layer, anchors=anchors)["total"])
 
 
 def peak_flops_of_kind(kind: str) -> float | None:

@@ -51,6 +51,28 @@ def test_shipped_configs_pass_validation(path):
     validate(load_config_file(str(path)))
 
 
+def _diff(a, b):
+    fa, fb = dict(_leaves(a)), dict(_leaves(b))
+    return {k: (fa.get(k), fb.get(k)) for k in set(fa) | set(fb) if fa.get(k) != fb.get(k)}
+
+
+@pytest.mark.parametrize("preset", ["tpu_v4_8.py", "tpu_v5e_16.py", "gpu_8xh100.py"])
+def test_hardware_presets_are_the_base_recipe(preset):
+    """A hardware preset is ``configs/base.py`` as it is (the default mesh, data=-1, spreads the
+    batch over whatever devices the host has); only the checkpoints it keeps differ."""
+    base = load_config_file(str(ROOT / "configs" / "base.py"))
+    assert _diff(base, load_config_file(str(ROOT / "configs" / preset))) == {"checkpoint.keep_every": (0, 50_000)}
+
+
+def test_coco_lm_tiny_is_the_coco_lm_recipe_small():
+    """``coco_lm_tiny.py`` keeps ``coco_lm_base.py``'s loss, masking and optimizer."""
+    diff = _diff(load_config_file(str(ROOT / "configs" / "coco_lm_base.py")),
+                 load_config_file(str(ROOT / "configs" / "coco_lm_tiny.py")))
+    assert not {k for k in diff if k.startswith(("masking.", "loss_weights.", "objective"))}
+    assert not {k for k in diff if k.startswith("optim.")} - {"optim.learning_rate", "optim.warmup_steps"}
+    assert not {k for k in diff if k.startswith("coco_lm.")} - {"coco_lm.generator_layers", "coco_lm.scl_group_size"}
+
+
 def test_default_config_passes_every_check():
     c = default_config()
     c.init.from_scratch = True   # the one combination the defaults leave to the user: TaCL's teacher
