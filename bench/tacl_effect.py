@@ -180,20 +180,19 @@ class Measurer:
         import jax
         import jax.numpy as jnp
 
-        from tacl_jax import analyze, isotropy, parallel, tokens
+        from tacl_jax import analyze, isotropy
         from tacl_jax.train import loop, setup
-        from tacl_jax.train.step import make_eval_step, step_config_from
 
         self.jax, self.jnp, self.loop, self.isotropy = jax, jnp, loop, isotropy
         config = make_config("tacl", {}, init=args.init, train=args.train, steps=args.steps, args=args)
-        self.model, self.init_params = setup.build_model(config)
-        special = tokens.run_special_ids(args.init, self.model.config.vocab_size)
-        step_cfg = step_config_from(config, special)
-        self.teacher_model = setup.teacher_of(self.model)
+        # The training loop's model, teacher, eval step and special ids, on one device.
+        prog = setup.build_program(config, jax.devices()[:1])
+        self.model, self.teacher_model, self.mesh = prog.model, prog.teacher_model, prog.mesh
+        self.p_eval = prog.eval_step
+        self.init_params = setup.hf_params_for(config, prog.model)
+        special, step_cfg = prog.special_ids, prog.step_cfg
         self.teacher = setup.strip_heads(jax.tree.map(jnp.asarray, self.init_params))
         self.batches = eval_batches(args, special, self.model.config.vocab_size)
-        self.mesh = parallel.make_mesh(dict(data=1, fsdp=1, tensor=1), jax.devices()[:1])
-        self.p_eval = jax.jit(make_eval_step(self.model, step_cfg, self.teacher_model))
         sentences = analyze.corpus_sentences(args.heldout, max_sentences=args.sentences, seed=args.seed)
         self.ids = analyze.encode_sentences(sentences, args.init).ids
         self.masking = isotropy.Masking(mask_id=special["mask"], vocab_size=self.model.config.vocab_size,
