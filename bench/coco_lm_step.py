@@ -5,7 +5,7 @@
 
 The step is the training loop's: ``tacl_jax.train.setup.build_program``'s jitted COCO-LM step
 (``coco_step.make_coco_train_step``, jitted with shardings, the state donated) on one CPU device,
-the state from ``setup.create_coco_state``, on BERT's synthetic batches (``[CLS] A [SEP] B [SEP]``,
+the state from ``Program.create_state``, on BERT's synthetic batches (``[CLS] A [SEP] B [SEP]``,
 10% short rows, bert-base-uncased ids). The recipe is ``configs/coco_lm_base.py``'s (its loss,
 masking and Adam (0.9, 0.98), eps 1e-6, lr 5e-4, weight decay 0.01, clip 2.0) with one warm-up
 step, no accumulation and SCL groups of at most the batch. Sizes as ``bench/step_throughput.py``
@@ -70,7 +70,7 @@ def coco_lm_row(size: str = "small", precision: str = "bf16", steps: int = 10, w
     c = coco_lm_config(size, precision, steps, warmup, generator_layers)
     t0 = time.perf_counter()
     prog = setup.build_program(c, jax.devices()[:1], special_ids=tokens.default_special_ids(VOCAB))
-    state, _ = setup.create_coco_state(prog.model, prog.tx, prog.mesh, prog.rules, c.seed, c.max_len)
+    state = prog.create_state()
     batches = synthetic_batches(prog)
     rng = jax.random.key(c.seed)
     build_s = time.perf_counter() - t0

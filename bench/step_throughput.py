@@ -284,11 +284,11 @@ def _build_ours(args):
 
     c = bench_config(args)
     if args.full_vocab_head:
-        # Ablation only: the student built as FullHeadBert (the class setup builds models of).
-        setup.BertModel = _full_head_model_class()
+        # Ablation only: the student built as FullHeadBert (the class the TaCL objective builds).
+        from tacl_jax.train import step as step_lib
+        step_lib.BertModel = _full_head_model_class()
     prog = setup.build_program(c, jax.devices()[:1], special_ids=tokens.default_special_ids(VOCAB))
-    state, state_sh = setup.create_state(prog.model, prog.tx, prog.mesh, prog.rules, c.seed, c.max_len)
-    teacher, _ = setup.create_teacher(state.params, state_sh.params, prog.teacher_dtype, prog.model.config.dtype)
+    state, teacher = prog.create_state(), prog.create_teacher()   # the teacher: the seed's init, as the state
     # prog.train_step: jitted as the training loop runs it (shardings given, the state donated).
     batches = synthetic_batches(prog)
     ctx = (jax.set_mesh(prog.mesh), nn.logical_axis_rules(prog.rules))

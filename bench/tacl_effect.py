@@ -119,6 +119,7 @@ def split_corpus(path: str, out_dir: str) -> tuple[str, str]:
 
 
 def make_config(objective: str, overrides: dict, *, init: str, train: str, steps: int, args):
+    from tacl_jax import config as config_lib
     from tacl_jax.config import default_config
 
     c = default_config()
@@ -136,8 +137,7 @@ def make_config(objective: str, overrides: dict, *, init: str, train: str, steps
     c.export_at_end = False
     c.checkpoint.every = 10 ** 9   # only the final one
     c.seed = args.seed
-    c.update_from_flattened_dict(overrides)   # dotted keys, as --config.x.y=v
-    return c
+    return config_lib.override(c, overrides)   # dotted keys, as --config.x.y=v
 
 
 def stage1(args) -> str:
@@ -181,14 +181,14 @@ class Measurer:
         import jax.numpy as jnp
 
         from tacl_jax import analyze, isotropy
-        from tacl_jax.train import loop, setup
+        from tacl_jax.train import metrics, setup
 
-        self.jax, self.jnp, self.loop, self.isotropy = jax, jnp, loop, isotropy
+        self.jax, self.jnp, self.metrics, self.isotropy = jax, jnp, metrics, isotropy
         config = make_config("tacl", {}, init=args.init, train=args.train, steps=args.steps, args=args)
         # The training loop's model, teacher, eval step and special ids, on one device.
         prog = setup.build_program(config, jax.devices()[:1])
         self.model, self.teacher_model, self.mesh = prog.model, prog.teacher_model, prog.mesh
-        self.p_eval = prog.eval_step
+        self.p_eval, self.eval_ratios = prog.eval_step, prog.eval_ratios
         self.init_params = setup.hf_params_for(config, prog.model)
         special, step_cfg = prog.special_ids, prog.step_cfg
         self.teacher = setup.strip_heads(jax.tree.map(jnp.asarray, self.init_params))
@@ -202,7 +202,8 @@ class Measurer:
         jax, jnp = self.jax, self.jnp
         params = jax.tree.map(jnp.asarray, params)
         with jax.set_mesh(self.mesh):
-            h = self.loop.evaluate(self.p_eval, params, self.teacher, self.batches, self.mesh, seed=1234)
+            h = self.metrics.evaluate(self.p_eval, params, self.teacher, self.batches, self.mesh, seed=1234,
+                                      to_ratios=self.eval_ratios)
         out = {k: ([round(float(v), 5) for v in vs] if isinstance(vs, list) else round(vs, 5)) for k, vs in
                self.isotropy.measure(self.model, params, self.teacher_model, self.teacher, self.ids,
                                      self.masking).items()}

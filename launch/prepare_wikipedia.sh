@@ -47,20 +47,9 @@ if [ -z "$TFDS_DIR" ] || [ -z "$OUT" ]; then
   echo "set BUCKET=gs://... (or TFDS_DIR and OUT)" >&2; exit 2
 fi
 
-quote() {
-  if [[ "$1" =~ ^[A-Za-z0-9_./:=@%+,-]+$ ]]; then
-    printf '%s' "$1"
-  else
-    local sq="'\\''"
-    printf "'%s'" "${1//\'/$sq}"
-  fi
-}
-run() {
-  local a line="+"
-  for a in "$@"; do line+=" $(quote "$a")"; done
-  printf '%s\n' "$line"
-  if [ "$DRY_RUN" != 1 ]; then "$@"; fi
-}
+# quote, run: print each command, run it unless DRY_RUN=1.
+# shellcheck source=launch/commands.sh disable=SC1091
+source "$(dirname "${BASH_SOURCE[0]}")/commands.sh"
 say() { printf '\n== %s\n' "$*"; }
 exists() {  # exists PATH: a local path or a gs:// prefix with at least one object
   case "$1" in

@@ -139,23 +139,9 @@ if [ -n "$SSH_FLAGS" ]; then read -r -a SSHFLAGS <<< "$SSH_FLAGS"; fi
 
 say() { printf '\n== %s\n' "$*"; }
 
-# One argument as the shell would need it, readable: as is, or in single quotes.
-quote() {
-  if [[ "$1" =~ ^[A-Za-z0-9_./:=@%+,-]+$ ]]; then
-    printf '%s' "$1"
-  else
-    local sq="'\\''"
-    printf "'%s'" "${1//\'/$sq}"
-  fi
-}
-
-# Print a command (copy-pastable), then run it unless DRY_RUN=1.
-run() {
-  local a line="+"
-  for a in "$@"; do line+=" $(quote "$a")"; done
-  printf '%s\n' "$line"
-  if [ "$DRY_RUN" != 1 ]; then "$@"; fi
-}
+# quote, run: print each command, run it unless DRY_RUN=1.
+# shellcheck source=launch/commands.sh disable=SC1091
+source "$(dirname "${BASH_SOURCE[0]}")/commands.sh"
 
 ssh_workers() {  # ssh_workers WORKER COMMAND
   run gcloud compute tpus tpu-vm ssh "$TPU_NAME" "${GFLAGS[@]}" ${SSHFLAGS[@]+"${SSHFLAGS[@]}"} \

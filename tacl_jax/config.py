@@ -160,9 +160,10 @@ def default_config() -> ml_collections.ConfigDict:
     return c
 
 
-def load_config_file(path: str) -> ml_collections.ConfigDict:
+def load_config_file(path: str, overrides: Mapping[str, Any] | None = None) -> ml_collections.ConfigDict:
     """``get_config()`` of a config file given by path (how presets build on ``configs/base.py``
-    and tests on ``configs/tiny.py``, without making ``configs/`` a package)."""
+    and tests on ``configs/tiny.py``, without making ``configs/`` a package), with ``overrides``
+    (``{"optim.learning_rate": 1e-4}``, as ``--config.optim.learning_rate=1e-4``) applied."""
     import importlib.util
     import os
 
@@ -170,7 +171,22 @@ def load_config_file(path: str) -> ml_collections.ConfigDict:
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.get_config()
+    return override(module.get_config(), overrides or {})
+
+
+def override(c: ml_collections.ConfigDict, overrides: Mapping[str, Any]) -> ml_collections.ConfigDict:
+    """``c`` with each dotted key of ``overrides`` set (in place; returned for chaining); a key
+    ``c`` does not have is refused with ``unknown_key``'s message."""
+    for path, value in overrides.items():
+        error = unknown_key(c, path)
+        if error:
+            raise ConfigError(error)
+        *parents, leaf = path.split(".")
+        node = c
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    return c
 
 
 def parse_profile_steps(value: str, num_train_steps: int | None = None) -> tuple[int, int] | None:

@@ -37,7 +37,7 @@ def export_checkpoint(workdir: str, out: str, step: int | None = None, head: str
     if head not in ("mlm", "none"):
         raise ValueError(f"--head={head!r}: use 'mlm' (BertForMaskedLM) or 'none' (BertModel)")
     hf.check_out_dir(out, overwrite)  # before the restore: a refused --out should cost nothing
-    from tacl_jax.train import setup  # the run's model and state builders, so shapes match exactly
+    from tacl_jax.train import objective as objective_lib, setup  # the run's builders: shapes match exactly
     ckpt_dir = checkpoint.checkpoint_dir(workdir)
     if not os.path.isdir(ckpt_dir) and "://" not in workdir:
         raise FileNotFoundError(f"{ckpt_dir} does not exist: is {workdir!r} a tacl_jax workdir?")
@@ -50,30 +50,39 @@ def export_checkpoint(workdir: str, out: str, step: int | None = None, head: str
     if step not in steps:
         raise ValueError(f"no checkpoint of step {step} in {ckpt_dir}; available: {steps}")
     config = ml_collections.ConfigDict(mgr.restore_config(step))
-    # COCO-LM: the checkpoint holds the generator and heads too; the export is the main model.
     model = setup.model_from_config(config)
-    coco = config.objective == "coco_lm"
     tx, _ = make_optimizer(config.optim, config.num_train_steps)
     mesh = parallel.make_mesh(dict(data=-1, fsdp=1, tensor=1), jax.local_devices())
     abstract, _ = setup.state_shardings(model, tx, mesh, parallel.rules_from_config(config.logical_axis_rules),
                                        config.max_len)
     state, _, _ = mgr.restore(step, abstract)
     mgr.close()
-    tok = config.init.tokenizer_path or config.init.hf_path
-    tok = tok if tok and os.path.isdir(tok) and any(
-        os.path.isfile(os.path.join(tok, n)) for n in hf.TOKENIZER_FILES) else None
+    tok = _tokenizer_folder(config.init.tokenizer_path or config.init.hf_path)
     if tok is None:
         log.warning("no tokenizer folder recorded in the run's config: the export has no tokenizer files")
-    if coco:
-        model, params = model.main, state.params["main"]
-        if head == "none":
-            raise ValueError("a COCO-LM main model has no pooler: export it with --head=mlm")
-    else:
-        params = state.params
+    # The objective's BERT: the whole student, or a part of it (COCO-LM's main model; the
+    # checkpoint holds the generator and heads too).
+    objective = objective_lib.get(config.objective)
+    model, params = objective_lib.bert_of(objective, model), objective_lib.bert_params_of(objective, state.params)
+    if head == "none" and not model.config.with_pooler:
+        raise ValueError(f"the {config.objective} run's BERT has no pooler: export it with --head=mlm")
     hf.save(model, params, out, head=head, tokenizer_from=tok, overwrite=overwrite)
     log.info("wrote step %d of %s as a Hugging Face %s folder: %s", step, workdir,
              "BertForMaskedLM" if head == "mlm" else "BertModel", out)
     return out
+
+
+def _tokenizer_folder(path_or_id: str) -> str | None:
+    """The run's tokenizer folder (a folder, or a Hub id in the Hugging Face cache), or None when
+    it is not on this machine or has no tokenizer files."""
+    if not path_or_id:
+        return None
+    try:
+        tok = hf.resolve(path_or_id, weights=False)
+    except UserError as e:
+        log.warning("the run's tokenizer %r is not readable here (%s)", path_or_id, e)
+        return None
+    return tok if any(os.path.isfile(os.path.join(tok, n)) for n in hf.TOKENIZER_FILES) else None
 
 
 def main(argv):

@@ -40,6 +40,11 @@ def encoder_flops_per_token(layers: int, d: int, ffn: int, length: int) -> float
     return layers * (2 * (4 * d * d + 2 * d * ffn) + 4 * length * d)
 
 
+def mlm_head_flops(d: int, vocab: int) -> int:
+    """Forward FLOPs of BERT's MLM head at one slot: the ``d × d`` transform and the tied ``d × V`` decoder."""
+    return 2 * (d * d + d * vocab)
+
+
 def sequence_flops(cfg, *, length: int, predictions: int, teacher: bool, gathered_last_layer: bool = False,
                    anchors: int | None = None) -> dict[str, int]:
     """Model FLOPs of one train step's sequence of ``length`` tokens, by part (the module doc's
@@ -59,7 +64,7 @@ def sequence_flops(cfg, *, length: int, predictions: int, teacher: bool, gathere
         last = 2 * 2 * d * d * length + (encoder_flops_per_token(1, d, ffn, length) - 2 * 2 * d * d) * p
     else:
         last = layer
-    head = 2 * (d * d + d * cfg.vocab_size) * p
+    head = mlm_head_flops(d, cfg.vocab_size) * p
     student = (n - 1) * layer + last + head
     teacher_fwd = n * layer if teacher else 0
     tacl = 2 * 2 * length * d * (p if anchors is None else anchors) if teacher else 0

@@ -87,7 +87,7 @@ def main(argv):
 def _show_fill_mask(workdir: str, text: str) -> None:
     """Load the final export with ``transformers`` and print a fill-mask example."""
     from tacl_jax.hf import fill_mask
-    from tacl_jax.train.loop import export_dir, local_dir
+    from tacl_jax.train.outputs import export_dir, local_dir
 
     path = export_dir(local_dir(workdir if "://" in workdir else os.path.abspath(workdir)), "final")
     try:

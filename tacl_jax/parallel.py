@@ -385,16 +385,6 @@ def logical_shardings(abstract_boxed: Any, mesh: Mesh, rules) -> Any:
     return nn.logical_to_mesh_sharding(specs, mesh, rules)
 
 
-def init_sharded(init_fn: Callable[..., Any], mesh: Mesh, rules, *args) -> tuple[Any, Any]:
-    """Run ``init_fn(*args)`` (which returns boxed params) already sharded: no host ever holds the
-    full tree. Returns ``(unboxed params, their shardings)``."""
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        abstract = jax.eval_shape(init_fn, *args)
-        shardings = logical_shardings(abstract, mesh, rules)
-        params = jax.jit(lambda *a: nn.meta.unbox(init_fn(*a)), out_shardings=shardings)(*args)
-    return params, shardings
-
-
 def place(tree: Any, shardings: Any) -> Any:
     """Host (numpy) arrays -> global arrays with ``shardings``. Every process passes the full
     values (e.g. a checkpoint each host read); each keeps only its shards."""

@@ -19,10 +19,6 @@ def run_special_ids(tokenizer_dir: str | None, vocab_size: int) -> dict[str, int
 
     tokenizer_dir = tokenization.tokenizer_folder(tokenizer_dir)
     tok = tokenization.load_tokenizer(tokenizer_dir)
-    ids = tokenization.tokenizer_special_ids(tok, tokenizer_dir)
-    missing = [k for k, v in ids.items() if v is None]
-    if missing:
-        raise ValueError(f"the tokenizer in {tokenizer_dir} has no {missing} token(s): it is not a BERT "
-                         "WordPiece tokenizer")
+    ids = tokenization.bert_special_ids(tok, tokenizer_dir)
     tokenization.check_tokenizer(tok, vocab_size=vocab_size, special_ids=ids, tokenizer_dir=tokenizer_dir)
     return ids

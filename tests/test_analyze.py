@@ -175,7 +175,7 @@ def test_training_run_analyses_its_export_on_held_out_sentences(tmp_path, caplog
     config.analysis.num_sentences = 40
     config.analysis.batch_size = 16
     workdir = tmp_path / "run"
-    with caplog.at_level(logging.INFO, logger="tacl_jax.train.loop"):
+    with caplog.at_level(logging.INFO, logger="tacl_jax.train"):
         assert loop.train_and_evaluate(config, str(workdir))["status"] == "finished"
     line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("analysis:")]
     assert len(line) == 1 and "last-layer self-similarity" in line[0] and "(init " in line[0], line

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 from tacl_jax import hf, parallel, tokens
-from tacl_jax.config import load_config_file
+from tacl_jax.config import load_config_file, override
 from tacl_jax.data import synthetic
 from tacl_jax.objectives import coco_lm as obj
 from tacl_jax.train import coco_step
+from tacl_jax.train import setup as setup_lib
 from tacl_jax.train.optimizer import make_optimizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -28,13 +29,7 @@ def coco_config(**overrides):
     """``configs/coco_lm_tiny.py`` with a 1-layer main model (compile time dominates these tests)."""
     c = load_config_file(str(ROOT / "configs" / "coco_lm_tiny.py"))
     c.init.scratch.num_hidden_layers = 1
-    for k, v in overrides.items():
-        node = c
-        *path, last = k.split(".")
-        for p in path:
-            node = node[p]
-        node[last] = v
-    return c
+    return override(c, overrides)
 
 
 def _no_dropout(c):
@@ -54,7 +49,8 @@ def _setup_cached(config_json, mesh_items, devices):
     mesh = parallel.make_mesh(dict(mesh_items), list(devices))
     rules = parallel.LOGICAL_AXIS_RULES
     tx, schedule = make_optimizer(config.optim, config.num_train_steps)
-    state, state_sh, model = coco_step.init_coco_state(config, mesh, rules, tx=tx)
+    model = setup_lib.model_from_config(config)
+    state, state_sh = setup_lib.create_state(model, tx, mesh, rules, config.seed, config.max_len)
     special = tokens.default_special_ids(model.config.vocab_size)
     sc = coco_step.coco_step_config_from(config, special, mesh)
     return dict(mesh=mesh, rules=rules, model=model, tx=tx, schedule=schedule, state=state, state_sh=state_sh,
@@ -72,7 +68,7 @@ def _grads(s, batch_np, rng_step=0):
     fn = coco_step.make_coco_loss_and_grads(s["model"], s["sc"])
     with jax.set_mesh(s["mesh"]), nn.logical_axis_rules(s["rules"]):
         batch = {k: jax.device_put(v, parallel.batch_sharding(s["mesh"], v.ndim)) for k, v in batch_np.items()}
-        out = jax.jit(fn)(s["state"].params, batch, jax.random.fold_in(jax.random.key(0), rng_step))
+        out = jax.jit(fn)(s["state"].params, None, batch, jax.random.fold_in(jax.random.key(0), rng_step))
     return jax.device_get(out)
 
 
@@ -345,7 +341,7 @@ def test_accumulation_on_a_data_mesh_keeps_the_micro_batch_scl_negatives():
     with ``scl_group_size`` = 0 each micro-batch's whole set of views is gathered across the
     shards (the group-size paths: ``test_scl_groups_do_not_depend_on_the_mesh_or_accumulation``).
     Dropout off: the shards draw their own masks."""
-    from tacl_jax.train.step import shard_map_applies
+    from tacl_jax.train.update import shard_map_applies
 
     config = _no_dropout(coco_config(global_batch_size=16, grad_accum_steps=4))
     config.coco_lm.scl_group_size = 0

@@ -10,7 +10,7 @@ import pytest
 from tacl_jax.flops import step_flops
 from tacl_jax.models import BertConfig, BertModel
 from tacl_jax.models.bert import Layer, attention_bias
-from tacl_jax.train import loop
+from tacl_jax.train import step as step_lib
 from tacl_jax.train.step import make_loss_and_grads
 import hlo_text
 from test_train import _assert_trees_close, _batch, _grads, _setup, tiny_config
@@ -131,7 +131,7 @@ def test_step_flops_formula_matches_the_compiled_step(gather):
     config = tiny_config()
     config.model.gather_last_layer = gather
     s = _setup(config, SINGLE, jax.devices()[:1])
-    fn = make_loss_and_grads(s["model"], s["step_cfg"], loop.teacher_of(s["model"]))
+    fn = make_loss_and_grads(s["model"], s["step_cfg"], step_lib.teacher_of(s["model"]))
     batch = _batch(config, 0, s["model"], s["special"])
     with jax.set_mesh(s["mesh"]), nn.logical_axis_rules(s["rules"]):
         hlo = jax.jit(fn).lower(s["state"].params, s["teacher"], batch, jax.random.key(0)).compile().as_text()

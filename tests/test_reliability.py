@@ -17,6 +17,7 @@ import pytest
 from tacl_jax import checkpoint, signals
 from tacl_jax import workdir as workdir_lib
 from tacl_jax.train import loop
+from tacl_jax.train import metrics
 
 from test_checkpoint import _cli, _env
 from test_train import tiny_config
@@ -76,7 +77,7 @@ def test_a_diverging_run_never_saves_non_finite_state_and_resumes_from_the_last_
     # A rerun resumes from that checkpoint. (Finite is not sane: params blown up to 1e10 by this
     # learning rate may diverge again; then again nothing non-finite is saved.)
     config.optim.learning_rate = 1e-3
-    with caplog.at_level("INFO", logger="tacl_jax.train.loop"):
+    with caplog.at_level("INFO", logger="tacl_jax.train"):
         try:
             loop.train_and_evaluate(config, str(tmp_path))
         except loop.NonFiniteLossError:
@@ -94,7 +95,7 @@ def test_a_finished_run_redoes_a_lost_final_export(tmp_path, caplog):
         loop.train_and_evaluate(config, str(tmp_path))
     assert not (tmp_path / "export").is_dir()
     os.remove(tmp_path / "export")
-    with caplog.at_level("INFO", logger="tacl_jax.train.loop"):
+    with caplog.at_level("INFO", logger="tacl_jax.train"):
         out = loop.train_and_evaluate(config, str(tmp_path))
     assert "redoing export" in caplog.text
     assert out["status"] == "already_finished"
@@ -104,7 +105,7 @@ def test_a_finished_run_redoes_a_lost_final_export(tmp_path, caplog):
     assert [r["step"] for r in evals] == [2]
     # With everything there, a rerun does nothing.
     caplog.clear()
-    with caplog.at_level("INFO", logger="tacl_jax.train.loop"):
+    with caplog.at_level("INFO", logger="tacl_jax.train"):
         again = loop.train_and_evaluate(config, str(tmp_path))
     assert again["status"] == "already_finished" and "nothing to do" in caplog.text
 
@@ -182,7 +183,7 @@ def test_resume_refuses_a_changed_objective_and_warns_about_a_changed_learning_r
         loop.train_and_evaluate(changed, str(tmp_path))
     assert "tacl" in str(err.value) and "mlm" in str(err.value)
     config.optim.learning_rate = 5e-4
-    with caplog.at_level("WARNING", logger="tacl_jax.train.loop"):
+    with caplog.at_level("WARNING", logger="tacl_jax.train"):
         out = loop.train_and_evaluate(config, str(tmp_path))
     assert out["status"] == "finished"
     assert "optim.learning_rate" in caplog.text and "0.0005" in caplog.text
@@ -282,7 +283,7 @@ def test_sigterm_during_start_up_is_said_and_exits_0(tmp_path):
 def test_metric_rows_are_json_and_rows_past_the_resumed_step_are_dropped(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2, 3, 4)) + '{"step": 5, "lo')
-    w = loop.MetricWriter(str(tmp_path), resumed_at=2)
+    w = metrics.MetricWriter(str(tmp_path), resumed_at=2)
     w.write(3, {"loss": float("nan"), "grad_norm": float("inf")}, total_steps=4)
     w.close()
     rows = _metric_rows(tmp_path)

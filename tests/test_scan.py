@@ -13,6 +13,8 @@ from jax.sharding import PartitionSpec as P
 from tacl_jax import hf, parallel
 from tacl_jax.models import BertConfig, BertModel, stack_layers, unstack_layers
 from tacl_jax.train import loop
+from tacl_jax.train import setup as setup_lib
+from tacl_jax.train import step as step_lib
 from tacl_jax.train.step import make_loss_and_grads
 
 from test_checkpoint import _rows
@@ -138,12 +140,12 @@ def test_train_loss_and_grads_equal_unrolled(policy):
     with jax.set_mesh(s["mesh"]):
         params = parallel.place(stacked, s["state_sh"].params)
     s["state"] = s["state"].replace(params=params)
-    s["teacher"], _ = loop.create_teacher(params, s["state_sh"].params, "float32")
+    s["teacher"], _ = setup_lib.create_teacher(params, s["state_sh"].params, "float32")
     batch = _batch(_scan_config(False, policy), 2, ref["model"], ref["special"])
 
     results = []
     for setup in (ref, s):
-        fn = make_loss_and_grads(setup["model"], setup["step_cfg"], loop.teacher_of(setup["model"]))
+        fn = make_loss_and_grads(setup["model"], setup["step_cfg"], step_lib.teacher_of(setup["model"]))
         with jax.set_mesh(setup["mesh"]), nn.logical_axis_rules(setup["rules"]):
             b = {k: jax.device_put(v, parallel.batch_sharding(setup["mesh"], v.ndim)) for k, v in batch.items()}
             results.append(jax.device_get(jax.jit(fn)(setup["state"].params, setup["teacher"], b,

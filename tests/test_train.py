@@ -10,36 +10,32 @@ import numpy as np
 import pytest
 
 from tacl_jax import parallel, tokens
-from tacl_jax.config import load_config_file
+from tacl_jax.config import load_config_file, override
 from tacl_jax.data import synthetic
 from tacl_jax.train import loop
+from tacl_jax.train import setup as setup_lib
+from tacl_jax.train import step as step_lib
 from tacl_jax.train.optimizer import make_optimizer
-from tacl_jax.train.step import (accumulate, make_loss_and_grads, make_train_step, shard_map_applies,
-                                  step_config_from)
+from tacl_jax.train.step import make_loss_and_grads, make_train_step, step_config_from
+from tacl_jax.train.update import accumulate, shard_map_applies
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def tiny_config(**overrides):
     c = load_config_file(str(ROOT / "configs" / "tiny.py"))
-    for k, v in overrides.items():
-        node = c
-        *path, last = k.split(".")
-        for p in path:
-            node = node[p]
-        node[last] = v
-    return c
+    return override(c, overrides)
 
 
 def _setup(config, mesh_sizes, devices):
     mesh = parallel.make_mesh(mesh_sizes, devices)
     rules = parallel.LOGICAL_AXIS_RULES
-    model, _ = loop.build_model(config)
+    model, _ = setup_lib.build_model(config)
     tx, schedule = make_optimizer(config.optim, config.num_train_steps)
-    state, state_sh = loop.create_state(model, tx, mesh, rules, config.seed, config.max_len)
+    state, state_sh = setup_lib.create_state(model, tx, mesh, rules, config.seed, config.max_len)
     special = tokens.default_special_ids(model.config.vocab_size)
     step_cfg = step_config_from(config, special)
-    teacher, teacher_sh = loop.create_teacher(state.params, state_sh.params, "float32")
+    teacher, teacher_sh = setup_lib.create_teacher(state.params, state_sh.params, "float32")
     return dict(mesh=mesh, rules=rules, model=model, tx=tx, schedule=schedule, state=state, state_sh=state_sh,
                 step_cfg=step_cfg, teacher=teacher, teacher_sh=teacher_sh, special=special)
 
@@ -52,7 +48,7 @@ def _batch(config, step, model, special):
 
 
 def _grads(s, batch_np, rng_step=0):
-    fn = make_loss_and_grads(s["model"], s["step_cfg"], loop.teacher_of(s["model"]))
+    fn = make_loss_and_grads(s["model"], s["step_cfg"], step_lib.teacher_of(s["model"]))
     with jax.set_mesh(s["mesh"]), nn.logical_axis_rules(s["rules"]):
         batch = {k: jax.device_put(v, parallel.batch_sharding(s["mesh"], v.ndim)) for k, v in batch_np.items()}
         loss, sums, grads = jax.jit(fn)(s["state"].params, s["teacher"], batch,
@@ -98,7 +94,7 @@ def test_bf16_teacher_kernels_in_compute_dtype_change_nothing():
     s = _setup(config, dict(data=1, fsdp=1, tensor=1), jax.devices()[:1])
     batch = _batch(config, 0, s["model"], s["special"])
     l32, s32, g32 = _grads(s, batch)
-    s["teacher"], _ = loop.create_teacher(s["state"].params, s["state_sh"].params, "compute", s["model"].config.dtype)
+    s["teacher"], _ = setup_lib.create_teacher(s["state"].params, s["state_sh"].params, "compute", s["model"].config.dtype)
     kinds = {jax.tree_util.keystr(p).endswith("['kernel']"): x.dtype for p, x in
              jax.tree_util.tree_leaves_with_path(s["teacher"])}
     assert kinds == {True: jax.numpy.bfloat16, False: jax.numpy.float32}
@@ -208,7 +204,7 @@ def test_accumulation_reduces_gradients_once_outside_the_loop(mesh_sizes):
     the per-micro-batch reductions sit in the loop body, so the check does see them."""
     config = tiny_config(global_batch_size=8, grad_accum_steps=4)
     s = _setup(config, mesh_sizes, jax.devices()[:2])
-    fn = make_loss_and_grads(s["model"], s["step_cfg"], loop.teacher_of(s["model"]))
+    fn = make_loss_and_grads(s["model"], s["step_cfg"], step_lib.teacher_of(s["model"]))
     batch_np = _batch(config, 0, s["model"], s["special"])
     with jax.set_mesh(s["mesh"]), nn.logical_axis_rules(s["rules"]):
         batch = {k: jax.device_put(v, parallel.batch_sharding(s["mesh"], v.ndim)) for k, v in batch_np.items()}
@@ -254,7 +250,7 @@ def test_tiny_model_overfits_a_fixed_batch():
     config.model.hidden_dropout_prob = 0.0
     config.model.attention_probs_dropout_prob = 0.0
     s = _setup(config, dict(data=1, fsdp=1, tensor=1), jax.devices()[:1])
-    step = make_train_step(s["model"], s["step_cfg"], s["tx"], s["schedule"], loop.teacher_of(s["model"]))
+    step = make_train_step(s["model"], s["step_cfg"], s["tx"], s["schedule"], step_lib.teacher_of(s["model"]))
     batch = _batch(config, 0, s["model"], s["special"])
     state, losses = s["state"], []
     with jax.set_mesh(s["mesh"]), nn.logical_axis_rules(s["rules"]):
@@ -271,7 +267,7 @@ def test_tiny_model_overfits_a_fixed_batch():
 def test_loop_runs_and_logs_every_step(tmp_path, caplog):
     config = tiny_config(num_train_steps=4, log_every=1)
     config.checkpoint.every = 2
-    with caplog.at_level("INFO", logger="tacl_jax.train.loop"):
+    with caplog.at_level("INFO", logger="tacl_jax.train"):
         out = loop.train_and_evaluate(config, str(tmp_path))
     # Synthetic ids have no held-out text: the end-of-training analysis says so and is skipped.
     assert "analysis skipped: no held-out sentences (config.data.source='synthetic'" in caplog.text
@@ -344,7 +340,7 @@ def test_profile_steps_trace_the_window_and_bad_values_are_refused(tmp_path, cap
 
     config = tiny_config(num_train_steps=4, log_every=1, profile_steps="1,3", eval_at_end=False,
                          export_at_end=False, **{"analysis.enabled": False})
-    with caplog.at_level("INFO", logger="tacl_jax.train.loop"):
+    with caplog.at_level("INFO", logger="tacl_jax.train"):
         out = loop.train_and_evaluate(config, str(tmp_path / "run"))
     assert out["status"] == "finished" and int(out["state"].step) == 4
     profile = tmp_path / "run" / "profile"

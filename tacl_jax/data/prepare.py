@@ -59,11 +59,7 @@ def prepare_dataset(data_config: ml_collections.ConfigDict, *, out: str, max_len
                          "--config.data.source=text:... / tfds:... / builtin:python_docs")
     sources.open_source(data_config)  # Fail fast on a missing path before any work.
     tok = tokenization.load_tokenizer(tokenizer_dir)
-    special_ids = tokenization.tokenizer_special_ids(tok, tokenizer_dir)
-    missing = [k for k, v in special_ids.items() if v is None]
-    if missing:
-        raise ValueError(f"the tokenizer in {tokenizer_dir!r} has no {missing} token(s): a BERT "
-                         "tokenizer ([CLS] [SEP] [PAD] [MASK] [UNK]) is needed")
+    special_ids = tokenization.bert_special_ids(tok, tokenizer_dir)
     spec = corpus.PackSpec.from_config(data_config, max_len=max_len, special_ids=special_ids)
 
     version_dir = os.path.join(out, tfds_builder.DATASET_NAME, str(tfds_builder.TaclPacked.VERSION))

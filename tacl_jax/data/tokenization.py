@@ -94,6 +94,17 @@ def tokenizer_special_ids(tok: tokenizers.Tokenizer, tokenizer_dir: str | None =
     return {key: tok.token_to_id(names[key]) for key in SPECIAL_KEYS}
 
 
+def bert_special_ids(tok: tokenizers.Tokenizer, tokenizer_dir: str | None = None) -> dict[str, int]:
+    """``tokenizer_special_ids``, refusing (``ValueError``, naming them) a tokenizer that lacks any
+    of BERT's special tokens: masking, packing and the model's rows need all five."""
+    ids = tokenizer_special_ids(tok, tokenizer_dir)
+    missing = [k for k, v in ids.items() if v is None]
+    if missing:
+        raise ValueError(f"the tokenizer in {tokenizer_dir!r} has no {missing} token(s): a BERT WordPiece "
+                         "tokenizer ([CLS] [SEP] [PAD] [MASK] [UNK]) is needed")
+    return ids
+
+
 def vocab_fingerprint(tok: tokenizers.Tokenizer) -> str:
     """sha256 (16 hex digits) of the token -> id map: equal iff the vocabularies are equal."""
     items = sorted(tok.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])

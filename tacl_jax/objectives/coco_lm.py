@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from tacl_jax.objectives.combined import ratios_of, weighted_total
 from tacl_jax.objectives.mlm import mlm_per_position
 
 _NEG = -1e9  # finite, so a fully masked row cannot produce NaN
@@ -273,14 +274,9 @@ def coco_total(sums: Mapping[str, jax.Array], counts: Mapping[str, jax.Array],
                weights: Mapping[str, float]) -> jax.Array:
     """``mean_M CE_gen·w_gen + w_bin·L_bin + w_clm·L_clm + w_scl·L_scl`` as ``Σ w·sum/count`` with
     the counts (``n_pred``, ``n_tok``, ``n_view``) of the whole global batch."""
-    total = jnp.zeros((), jnp.float32)
-    for term, (num, den) in TERMS.items():
-        if num in sums and weights.get(term, 0.0):
-            total = total + weights[term] * sums[num] / jnp.maximum(counts[den], 1.0)
-    return total
+    return weighted_total(sums, counts, weights, TERMS)
 
 
 def coco_ratios(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
     """Per-term mean losses and accuracies (and ``replaced_frac``) from accumulated sums."""
-    return {name: sums[num] / jnp.maximum(sums[den], 1.0)
-            for name, (num, den) in RATIOS.items() if num in sums}
+    return ratios_of(sums, RATIOS)

@@ -16,6 +16,8 @@ from tacl_jax.objectives.contrastive import token_contrastive_at
 from tacl_jax.objectives.masking import Masked
 from tacl_jax.objectives.mlm import mlm_per_position
 
+# loss term (a key of loss_weights) -> (its sum, the batch count it is divided by)
+TERMS = {"mlm": ("mlm_nll", "n_pred"), "tacl": ("tacl_nll", "n_anchor"), "nsp": ("nsp_nll", "n_seq")}
 # metric name -> (numerator sum, denominator count)
 RATIOS = {"mlm_loss": ("mlm_nll", "n_pred"), "mlm_acc": ("mlm_correct", "n_pred"),
           "tacl_loss": ("tacl_nll", "n_anchor"), "tacl_acc": ("tacl_correct", "n_anchor"),
@@ -64,15 +66,25 @@ def total_loss(sums: Mapping[str, jax.Array], counts: Mapping[str, jax.Array],
                weights: Mapping[str, float]) -> jax.Array:
     """``Σ_term w_term · sum_term / count_term`` with ``counts`` those of the whole global batch
     (``n_pred``, ``n_anchor``, ``n_seq``); ``weights`` keys: ``mlm``, ``tacl``, ``nsp``."""
+    return weighted_total(sums, counts, weights, TERMS)
+
+
+def ratios(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """Per-term mean losses and accuracies from accumulated sums."""
+    return ratios_of(sums, RATIOS)
+
+
+def weighted_total(sums: Mapping[str, jax.Array], counts: Mapping[str, jax.Array], weights: Mapping[str, float],
+                   terms: Mapping[str, tuple[str, str]]) -> jax.Array:
+    """``Σ_term weights[term] · sums[num] / counts[den]`` over ``terms`` (``term -> (num, den)``) whose
+    sum is present and weight non-zero; a zero count divides by 1 (its sum is 0 too)."""
     total = jnp.zeros((), jnp.float32)
-    for term, (num, den) in (("mlm", ("mlm_nll", "n_pred")), ("tacl", ("tacl_nll", "n_anchor")),
-                             ("nsp", ("nsp_nll", "n_seq"))):
+    for term, (num, den) in terms.items():
         if num in sums and weights.get(term, 0.0):
             total = total + weights[term] * sums[num] / jnp.maximum(counts[den], 1.0)
     return total
 
 
-def ratios(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-    """Per-term mean losses and accuracies from accumulated sums."""
-    return {name: sums[num] / jnp.maximum(sums[den], 1.0)
-            for name, (num, den) in RATIOS.items() if num in sums}
+def ratios_of(sums: Mapping[str, jax.Array], table: Mapping[str, tuple[str, str]]) -> dict[str, jax.Array]:
+    """``{name: sums[num] / sums[den]}`` for ``table``'s ``name -> (num, den)`` present in ``sums``."""
+    return {name: sums[num] / jnp.maximum(sums[den], 1.0) for name, (num, den) in table.items() if num in sums}

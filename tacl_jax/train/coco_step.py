@@ -1,6 +1,6 @@
-"""COCO-LM's fused train step (``../shared/docs/method.md`` §2): masking, the generator's MLM,
-sampling the corruption, the main model on the corrupted and the cropped views, the binary, CLM
-and SCL losses, gradient accumulation and one optimizer update of both networks, for one
+"""COCO-LM's fused train step (arXiv 2102.08473, as its authors' code computes it): masking, the
+generator's MLM, sampling the corruption, the main model on the corrupted and the cropped views,
+the binary, CLM and SCL losses, gradient accumulation and one optimizer update of both networks, for one
 ``jax.jit``.
 
 ``train_step(state, teacher_params, batch, rng) -> (state, metrics)``, the TaCL step's signature
@@ -10,7 +10,7 @@ the step folds in ``state.step``.
 
 Randomness that decides *what* is computed (the mask, the sampling uniforms, the crop starts) is
 drawn for the whole global batch before the micro-batch split, so k micro-batches see exactly
-what one batch sees; only dropout is drawn per micro-batch (and, where ``step.accumulate`` runs
+what one batch sees; only dropout is drawn per micro-batch (and, where ``update.accumulate`` runs
 the loop under ``shard_map``, per data shard: exact agreement with one device then needs
 dropout off). The generator's gradient never flows through the sampling: the samples are
 integers drawn from a pass under ``stop_gradient``; the two networks interact only through the
@@ -21,7 +21,7 @@ step's global batch, rows ``[g·G, (g+1)·G)``, the same groups on any mesh and 
 ``grad_accum_steps`` (the posted loss takes them from each GPU's local batch: 16 sequences in the
 reconstructed recipe). With k micro-batches each group must lie in one of them, so B/k must be a
 multiple of G (``coco_step_config_from`` says so); ``_group_micro_order`` then orders the rows so
-that ``step.accumulate``'s split hands out whole groups, each data shard's from its own rows when
+that ``update.accumulate``'s split hands out whole groups, each data shard's from its own rows when
 B/(k·shards) is a multiple of G as well (no communication: each device's SCL is local). G = 0:
 the whole (micro-)batch being computed, B/k sequences, gathered across the data shards.
 """
@@ -38,13 +38,12 @@ import optax
 
 from tacl_jax import flops as flops_lib
 from tacl_jax.errors import ConfigError
+from tacl_jax.models import BertConfig
 from tacl_jax.models.coco_lm import SAMPLE_MODES, CocoLM
 from tacl_jax.objectives import mask_tokens, num_predictions
 from tacl_jax.objectives.coco_lm import (CLM_FORMS, TERMS, coco_ratios, coco_sums, coco_total, corrupt, crop_views,
                                          nt_xent_per_view, sample_tokens)
-from tacl_jax.train import setup
-from tacl_jax.train.state import TrainState
-from tacl_jax.train.step import ACCUM_AXIS, accumulate
+from tacl_jax.train.update import ACCUM_AXIS, accumulate, train_step_from
 
 log = logging.getLogger(__name__)
 
@@ -127,28 +126,6 @@ def check_scl_groups(batch: int, k: int, group_size: int) -> None:
                       f"coco_lm.scl_group_size to a divisor of {batch // k} (0 = the whole micro-batch)")
 
 
-def build_coco_model(config, platform: str | None = None) -> tuple[CocoLM, dict | None]:
-    """The COCO-LM networks from the run's config, and the main model's pretrained params (numpy)
-    when ``init.hf_path`` is set (the generator and heads then start from the seed)."""
-    return setup.build_model(config, platform)
-
-
-create_coco_state = setup.create_coco_state
-
-
-def init_coco_state(config, mesh, rules, seed: int | None = None, tx=None):
-    """One call for the loop: ``(state, shardings, model)`` (``tx`` defaults to
-    ``make_optimizer(config.optim, config.num_train_steps)``)."""
-    from tacl_jax.train.optimizer import make_optimizer
-
-    model, hf_params = build_coco_model(config)
-    if tx is None:
-        tx, _ = make_optimizer(config.optim, config.num_train_steps)
-    state, shardings = create_coco_state(model, tx, mesh, rules, config.seed if seed is None else seed,
-                                         config.max_len, hf_params)
-    return state, shardings, model
-
-
 # ----------------------------------------------------------------------------- the step
 
 def prepare_batch(model: CocoLM, sc: CocoStepConfig, batch: dict, step_rng: jax.Array) -> dict:
@@ -177,7 +154,7 @@ def make_coco_loss_fn(model: CocoLM, sc: CocoStepConfig, deterministic: bool = F
     (from ``prepare_batch``); ``counts`` = the global batch's ``n_pred``, ``n_tok``, ``n_view``.
     ``deterministic``: dropout off in the training passes (evaluation). ``data_axis``: the loss
     runs inside a ``shard_map`` manual over this mesh axis, on one shard's rows of the
-    micro-batch (``step.accumulate``); the SCL term then sees the negatives it would see on the
+    micro-batch (``update.accumulate``); the SCL term then sees the negatives it would see on the
     whole micro-batch (``_scl_sums_of_shard``) and every other term is a per-row sum."""
     weights = dict(sc.weights)
     det = deterministic
@@ -260,7 +237,7 @@ def _batch_shards() -> int:
 
 def _group_micro_order(mb: dict, k: int, group_size: int, shards: int) -> dict:
     """The rows of the global batch ``mb`` (leaves ``[B, ...]``) reordered so that
-    ``step.accumulate``'s strided split (micro-batch i = rows i, i+k, i+2k, ...) yields micro-batches
+    ``update.accumulate``'s strided split (micro-batch i = rows i, i+k, i+2k, ...) yields micro-batches
     of whole SCL groups: rows viewed as ``[c, k, B/(c·k)]`` blocks, micro-batch i = the blocks
     ``[:, i]``, with ``B/(c·k)`` a multiple of ``group_size`` so each contiguous group
     ``[g·G, (g+1)·G)`` lies in one block. ``c`` = the largest divisor of ``shards`` that allows it:
@@ -284,9 +261,10 @@ def _counts(mb: dict) -> dict[str, jax.Array]:
 
 
 def make_coco_loss_and_grads(model: CocoLM, sc: CocoStepConfig) -> Callable:
-    """``loss_and_grads(params, batch, step_rng) -> (loss, sums, grads)`` for one global batch,
+    """``loss_and_grads(params, teacher_params, batch, step_rng) -> (loss, sums, grads)`` for one
+    global batch (``teacher_params`` is ignored: COCO-LM has no teacher),
     accumulated over ``grad_accum_steps`` micro-batches with global-count denominators
-    (``step.accumulate``: the gradients are reduced across data-parallel devices once per
+    (``update.accumulate``: the gradients are reduced across data-parallel devices once per
     step; with SCL groups the rows are first ordered by ``_group_micro_order``, and each
     device's loss sees the negatives of its groups, ``_scl_sums_of_shard``)."""
     loss_fn = make_coco_loss_fn(model, sc)
@@ -294,7 +272,8 @@ def make_coco_loss_and_grads(model: CocoLM, sc: CocoStepConfig) -> Callable:
     use_scl = dict(sc.weights).get("scl", 0.0) != 0.0
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def loss_and_grads(params, batch: dict, step_rng: jax.Array):
+    def loss_and_grads(params, teacher_params, batch: dict, step_rng: jax.Array):
+        del teacher_params
         prep_rng, dropout_rng = jax.random.split(step_rng)
         mb = prepare_batch(model, sc, batch, prep_rng)
         counts = _counts(mb)
@@ -317,19 +296,7 @@ def make_coco_train_step(model: CocoLM, sc: CocoStepConfig, tx: optax.GradientTr
     ``gen_mlm_loss``, ``gen_acc``, ``binary_loss``, ``binary_acc``, ``clm_loss``, ``clm_acc``,
     ``scl_loss``, ``scl_acc``, ``replaced_frac``, ``grad_norm``, ``param_norm``, ``lr``,
     ``masked_tokens``."""
-    loss_and_grads = make_coco_loss_and_grads(model, sc)
-
-    def train_step(state: TrainState, teacher_params, batch: dict, rng: jax.Array):
-        del teacher_params
-        loss, sums, grads = loss_and_grads(state.params, batch, jax.random.fold_in(rng, state.step))
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = dict(loss=loss, grad_norm=optax.tree.norm(grads), param_norm=optax.tree.norm(params),
-                       lr=jnp.asarray(schedule(state.step), jnp.float32), masked_tokens=sums["n_pred"],
-                       **coco_ratios(sums))
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
-
-    return train_step
+    return train_step_from(make_coco_loss_and_grads(model, sc), tx, schedule, coco_ratios)
 
 
 def make_coco_eval_step(model: CocoLM, sc: CocoStepConfig) -> Callable:
@@ -354,12 +321,44 @@ def coco_step_flops(model: CocoLM, sc: CocoStepConfig, *, batch: int, length: in
     tokens, slots = batch * length, batch * sc.max_predictions
     enc_g = flops_lib.encoder_flops_per_token(g.num_hidden_layers, g.hidden_size, g.intermediate_size, length)
     enc_m = flops_lib.encoder_flops_per_token(m.num_hidden_layers, m.hidden_size, m.intermediate_size, length)
-    gen_fwd = enc_g * tokens + 2 * (g.hidden_size ** 2 + g.hidden_size * g.vocab_size) * slots
+    gen_fwd = enc_g * tokens + flops_lib.mlm_head_flops(g.hidden_size, g.vocab_size) * slots
     views = 2 if dict(sc.weights).get("scl", 0.0) else 1
     main_fwd = views * enc_m * tokens + 2 * m.hidden_size * m.vocab_size * slots + 2 * m.hidden_size * tokens
     return float(3 * gen_fwd + (gen_fwd if sc.sample_mode == "eval" else 0.0) + 3 * main_fwd)
 
 
-__all__ = ["CocoStepConfig", "coco_step_config_from", "check_scl_groups", "build_coco_model", "create_coco_state",
-           "init_coco_state", "prepare_batch", "make_coco_loss_fn", "make_coco_loss_and_grads", "make_coco_train_step",
-           "make_coco_eval_step", "coco_step_flops"]
+class CocoObjective:
+    """``objective='coco_lm'`` for ``tacl_jax.train.objective``: the generator and the main model
+    trained together; the main model is the BERT loaded from and exported to Hugging Face."""
+
+    name = "coco_lm"
+    bert_at = "main"
+    console_keys = ("loss", "gen_mlm_loss", "binary_loss", "binary_acc", "clm_loss", "scl_loss", "scl_acc")
+
+    def build_model(self, config, bert: BertConfig) -> CocoLM:
+        return CocoLM.build(bert.replace(with_pooler=False), config.coco_lm.generator_layers, config.coco_lm.scl_dim)
+
+    def step_config(self, config, special_ids: dict[str, int]) -> CocoStepConfig:
+        return coco_step_config_from(config, special_ids)
+
+    def teacher_model(self, model, step_cfg) -> None:
+        return None
+
+    def train_step(self, model, step_cfg, tx, schedule, teacher_model) -> Callable:
+        return make_coco_train_step(model, step_cfg, tx, schedule)
+
+    def eval_step(self, model, step_cfg, teacher_model) -> Callable:
+        return make_coco_eval_step(model, step_cfg)
+
+    def ratios(self, sums: dict) -> dict:
+        return coco_ratios(sums)
+
+    def flops(self, model: CocoLM, step_cfg: CocoStepConfig, *, batch: int, length: int) -> float:
+        return coco_step_flops(model, step_cfg, batch=batch, length=length)
+
+
+COCO_LM = CocoObjective()
+
+__all__ = ["CocoStepConfig", "coco_step_config_from", "check_scl_groups", "prepare_batch", "make_coco_loss_fn",
+           "make_coco_loss_and_grads", "make_coco_train_step", "make_coco_eval_step", "coco_step_flops",
+           "CocoObjective", "COCO_LM"]

@@ -8,8 +8,10 @@ depends on the hardware is decided here, once, from the platform of those device
 host): the compute dtype ``model.dtype='auto'``, the model's kernel family (``BertConfig.kernels``),
 the number of hosts (their process indices) and the peak FLOP/s (their device kind).
 
-Also here: building the student and the frozen teacher, and creating the sharded state (the loop's
-start-up; ``convert`` and the benches use them too).
+What the objective decides (the student module around the BERT, the step, the teacher, the
+FLOPs) comes from its entry in ``tacl_jax.train.objective``; nothing here branches on the
+objective. Also here: creating the sharded state and the frozen teacher (the loop's start-up;
+``convert`` and the benches use them too).
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ import jax.numpy as jnp
 
 from tacl_jax import checkpoint, hf, parallel, precision, tokens
 from tacl_jax.errors import ConfigError
-from tacl_jax.flops import peak_flops_of_kind, step_flops
-from tacl_jax.models import BertConfig, BertModel, to_dtype
+from tacl_jax.flops import peak_flops_of_kind
+from tacl_jax.models import BertConfig, to_dtype
+from tacl_jax.train import objective as objective_lib
 from tacl_jax.train.optimizer import make_optimizer
 from tacl_jax.train.state import TrainState
 
@@ -84,51 +87,37 @@ def _default_platform() -> str:
 
 
 def model_from_config(config, platform: str | None = None, architecture: BertConfig | None = None):
-    """The run's student module (``BertModel``; ``CocoLM`` for ``objective='coco_lm'``): the
-    architecture of ``init.hf_path`` (its config.json; or ``architecture``) or ``init.scratch``, the
-    numerics of ``config.model`` for ``platform`` (default: this process's devices). Reads no weights."""
+    """The run's student module (the objective's: ``BertModel`` for TaCL/MLM, ``CocoLM`` for
+    COCO-LM): the architecture of ``init.hf_path`` (its config.json; or ``architecture``) or
+    ``init.scratch``, the numerics of ``config.model`` for ``platform`` (default: this process's
+    devices). Reads no weights."""
     platform = platform or _default_platform()
     if architecture is None and config.init.hf_path:
         architecture = hf.read_config(config.init.hf_path)
-    bert = BertModel(bert_config(config, architecture, platform))
-    if config.objective != "coco_lm":
-        return bert
-    from tacl_jax.models.coco_lm import CocoLM
-
-    return CocoLM.build(bert.config.replace(with_pooler=False), config.coco_lm.generator_layers,
-                        config.coco_lm.scl_dim)
+    return objective_lib.get(config.objective).build_model(config, bert_config(config, architecture, platform))
 
 
 def hf_params_for(config, model) -> dict | None:
-    """The pretrained params (numpy) of ``init.hf_path`` for ``model`` (the main BERT's for
-    COCO-LM; missing heads initialised from the seed), or None without an ``hf_path``."""
+    """The pretrained params (numpy) of ``init.hf_path`` for the BERT inside ``model`` (its heads
+    that the checkpoint lacks initialised from the seed), or None without an ``hf_path``."""
     if not config.init.hf_path:
         return None
-    cfg = model.config
-    overrides = {f: getattr(cfg, f) for f in ("dtype", "param_dtype", "remat_policy", "scan_layers", "vocab_multiple",
-                                              "hidden_dropout_prob", "attention_probs_dropout_prob",
-                                              "dropout_bits", "kernels", "with_nsp_head", "with_pooler",
-                                              "with_mlm_head")}
-    if config.objective == "coco_lm":
-        overrides.update(with_pooler=True, with_nsp_head=bool(config.nsp))
-    _, params = hf.load(config.init.hf_path, seed=config.seed, **overrides)
-    if config.objective == "coco_lm":
-        params = {k: v for k, v in params.items() if k not in ("pooler", "nsp")}
+    cfg = objective_lib.bert_of(objective_lib.get(config.objective), model).config
+    # Every field of the model's config: the checkpoint's architecture (read from the same
+    # config.json) with the run's numerics and heads.
+    _, params = hf.load(config.init.hf_path, seed=config.seed,
+                        **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
     return params
 
 
 def build_model(config, platform: str | None = None) -> tuple[Any, dict | None]:
-    """The student's module and, when ``init.hf_path`` is set, its pretrained params (numpy)."""
+    """The student's module and, when ``init.hf_path`` is set, its BERT's pretrained params (numpy)."""
     model = model_from_config(config, platform)
     return model, hf_params_for(config, model)
 
 
-def teacher_of(model: BertModel) -> BertModel:
-    """The teacher is the same module without heads: TaCL only reads its last hidden state."""
-    return BertModel(model.config.replace(with_mlm_head=False, with_pooler=False, with_nsp_head=False))
-
-
 def strip_heads(params: dict) -> dict:
+    """The teacher's params in a student's BERT params: the encoder without heads."""
     return {k: v for k, v in params.items() if k in ("embeddings", "encoder")}
 
 
@@ -200,43 +189,33 @@ def state_shardings(model, tx, mesh, rules, max_len: int):
     return checkpoint.abstract_like(abstract, shardings), shardings
 
 
-def create_state(model, tx, mesh, rules, seed: int, max_len: int, init_params=None):
+def create_state(model, tx, mesh, rules, seed: int, max_len: int, init_params=None, at: str | None = None):
     """The student's ``TrainState`` created sharded, and its shardings.
 
-    From scratch the params are initialised on device already sharded (no host holds them all);
-    from a checkpoint every process places its shards of the host copy.
+    From scratch the params are initialised on device already sharded (no host holds them all).
+    ``init_params`` (a host copy, e.g. a Hugging Face BERT's) are placed shard by shard: the
+    whole tree, or with ``at`` the subtree ``params[at]`` (the objective's ``bert_at``), the rest
+    initialised from ``seed``.
     """
     abstract, shardings = state_shardings(model, tx, mesh, rules, max_len)
+    if init_params is None or at is not None:
+        params = seed_params(model, mesh, rules, seed, max_len, shardings.params)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        if init_params is None:
-            init = _init_params_fn(model, max_len)
-            params = jax.jit(lambda r: nn.meta.unbox(init(r)), out_shardings=shardings.params)(jax.random.key(seed))
-        else:
-            expected = jax.tree.map(lambda a: tuple(a.shape), abstract.params)
+        if init_params is not None:
+            target = abstract.params if at is None else abstract.params[at]
+            expected = jax.tree.map(lambda a: tuple(a.shape), target)
             got = jax.tree.map(lambda a: tuple(a.shape), init_params)
             if jax.tree.structure(expected) != jax.tree.structure(got) or expected != got:
                 raise ValueError("the initial parameter tree does not match the model built from the config "
                                  "(different heads or shapes)")
-            params = parallel.place(init_params, shardings.params)
+            if at is None:
+                params = parallel.place(init_params, shardings.params)
+            else:
+                params = {**params, at: parallel.place(init_params, shardings.params[at])}
         opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
     state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), shardings.step), params=params,
                        opt_state=opt_state)
     return state, shardings
-
-
-def create_coco_state(model, tx, mesh, rules, seed: int, max_len: int, hf_main_params=None):
-    """``(TrainState, its shardings)`` of COCO-LM created sharded; with ``hf_main_params`` the
-    main model starts from them, the generator and heads from ``seed``."""
-    state, shardings = create_state(model, tx, mesh, rules, seed, max_len)
-    if hf_main_params is None:
-        return state, shardings
-    expected = jax.tree.map(lambda a: tuple(a.shape), state.params["main"])
-    got = jax.tree.map(lambda a: tuple(a.shape), hf_main_params)
-    if jax.tree.structure(expected) != jax.tree.structure(got) or expected != got:
-        raise ValueError("the Hugging Face checkpoint does not match the main model built from the config")
-    params = {**state.params, "main": parallel.place(hf_main_params, shardings.params["main"])}
-    opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
-    return state.replace(params=params, opt_state=opt_state), shardings
 
 
 def _optimizer_shardings(tx, abstract_opt, param_sh, repl):
@@ -279,6 +258,12 @@ def initial_params(model, mesh, rules, seed: int, max_len: int, shardings, hf_pa
     a pure function of the seed, so a resumed run rebuilds the same teacher."""
     if hf_params is not None:
         return parallel.place(hf_params, shardings)
+    return seed_params(model, mesh, rules, seed, max_len, shardings)
+
+
+def seed_params(model, mesh, rules, seed: int, max_len: int, shardings):
+    """The model's initialisation from ``seed``, created on device already sharded (no host ever
+    holds the whole tree)."""
     init = _init_params_fn(model, max_len)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         return jax.jit(lambda r: nn.meta.unbox(init(r)), out_shardings=shardings)(jax.random.key(seed))
@@ -292,10 +277,13 @@ class Program:
 
     ``train_step(state, teacher, batch, rng) -> (state, metrics)`` is ``jax.jit``-ed with explicit
     in/out shardings and the state donated; ``abstract_*`` are ``ShapeDtypeStruct``s carrying those
-    shardings (``lower()`` compiles without any array). ``teacher`` is None for objectives without
-    one. ``batch_keys``: what the step reads of a batch (``global_batch`` of those keys)."""
+    shardings (``lower()`` compiles without any array). ``teacher_model`` and ``teacher`` are None
+    for objectives without one. ``batch_keys``: what the step reads of a batch (``global_batch``
+    of those keys). ``eval_step(params, teacher, batch, rng) -> sums`` is jitted; ``eval_ratios``
+    turns summed sums into metrics."""
 
     config: Any
+    objective: Any                 # tacl_jax.train.objective.Objective
     target: Target
     mesh: Any
     rules: tuple
@@ -323,10 +311,6 @@ class Program:
     def batch_keys(self) -> tuple[str, ...]:
         return tuple(self.abstract_batch)
 
-    @property
-    def coco(self) -> bool:
-        return self.config.objective == "coco_lm"
-
     def lower(self):
         """``jax.stages.Lowered`` of the train step on the abstract inputs (no device work)."""
         with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
@@ -337,13 +321,49 @@ class Program:
         """This process's rows -> the step's global batch (only the keys it reads)."""
         return parallel.global_batch({k: local[k] for k in self.batch_keys}, self.mesh)
 
-    def export_params(self, params):
-        """What goes into a Hugging Face folder: the (main) BERT's params."""
-        return params["main"] if self.coco else params
+    # --- start-up (device work: real devices only)
+
+    def hf_params(self) -> dict | None:
+        """The BERT params (numpy) of ``init.hf_path`` for this program's model, or None."""
+        return hf_params_for(self.config, self.model)
+
+    def create_state(self, init_params=None) -> TrainState:
+        """The sharded ``TrainState``: from the seed, or from ``init_params`` (a host tree of the
+        whole student's params, e.g. another run's)."""
+        c = self.config
+        state, _ = create_state(self.model, self.tx, self.mesh, self.rules, c.seed, c.max_len, init_params)
+        return state
+
+    def create_state_from_bert(self, bert_params) -> TrainState:
+        """The sharded ``TrainState`` whose BERT starts from ``bert_params`` (host numpy, e.g.
+        ``hf_params()``); the rest of the student (COCO-LM's generator and heads) from the seed."""
+        c = self.config
+        state, _ = create_state(self.model, self.tx, self.mesh, self.rules, c.seed, c.max_len, bert_params,
+                                at=self.objective.bert_at)
+        return state
+
+    def create_teacher(self, init_params=None):
+        """The frozen teacher (sharded), or None without one: the student's initial encoder, from
+        ``init_params`` (host numpy: ``hf_params()`` or another run's params) or, without them, the
+        seed's initialisation (a pure function of the seed, so a resumed run rebuilds it)."""
+        if self.teacher_model is None:
+            return None
+        c = self.config
+        init = initial_params(self.model, self.mesh, self.rules, c.seed, c.max_len, self.state_shardings.params,
+                              init_params)
+        teacher, _ = create_teacher(init, self.state_shardings.params, self.teacher_dtype, self.model.config.dtype)
+        return teacher
+
+    # --- what is exported
 
     @property
     def export_model(self):
-        return self.model.main if self.coco else self.model
+        """The Hugging Face BERT inside the student (the objective's ``bert_at``)."""
+        return objective_lib.bert_of(self.objective, self.model)
+
+    def export_params(self, params):
+        """That BERT's params inside the student's ``params``."""
+        return objective_lib.bert_params_of(self.objective, params)
 
 
 def _batch_spec(config, step_cfg) -> dict[str, tuple[tuple[int, ...], Any]]:
@@ -365,13 +385,9 @@ def build_program(config, devices: Sequence[Any] | None = None, *, architecture:
     Checks the batch arithmetic against the devices' hosts. No device work: safe for
     compile-only devices.
     """
-    from tacl_jax.objectives import ratios
-    from tacl_jax.objectives.coco_lm import coco_ratios
-    from tacl_jax.train import coco_step
-    from tacl_jax.train.step import make_eval_step, make_train_step, step_config_from
-
     devices = list(devices) if devices is not None else run_devices(config)
     target = Target.of(devices)
+    objective = objective_lib.get(config.objective)
     rules = parallel.rules_from_config(config.logical_axis_rules)
     mesh = parallel.make_mesh(dict(config.mesh), devices)
     check_batch_arithmetic(config, mesh)
@@ -380,31 +396,22 @@ def build_program(config, devices: Sequence[Any] | None = None, *, architecture:
     if special_ids is None:
         special_ids = tokens.run_special_ids(config.init.tokenizer_path or config.init.hf_path,
                                              model.config.vocab_size)
-    coco = config.objective == "coco_lm"
-    step_cfg = (coco_step.coco_step_config_from(config, special_ids, mesh) if coco
-                else step_config_from(config, special_ids))
+    step_cfg = objective.step_config(config, special_ids)
     tx, schedule = make_optimizer(config.optim, config.num_train_steps)
     abstract_state, state_sh = state_shardings(model, tx, mesh, rules, config.max_len)
     repl = parallel.replicated(mesh)
 
-    teacher_model = teacher_sh = abstract_teacher = None
+    teacher_model = objective.teacher_model(model, step_cfg)
     teacher_dtype = config.tacl.teacher_param_dtype
-    if coco:
-        train_step = coco_step.make_coco_train_step(model, step_cfg, tx, schedule)
-        eval_step, eval_ratios = coco_step.make_coco_eval_step(model, step_cfg), coco_ratios
-        flops = coco_step.coco_step_flops(model, step_cfg, batch=config.global_batch_size, length=config.max_len)
-    else:
-        teacher_model = teacher_of(model)
-        train_step = make_train_step(model, step_cfg, tx, schedule, teacher_model=teacher_model)
-        eval_step, eval_ratios = make_eval_step(model, step_cfg, teacher_model), ratios
-        flops = step_flops(model.config, batch=config.global_batch_size, length=config.max_len,
-                           predictions=step_cfg.max_predictions, teacher=step_cfg.uses_teacher,
-                           gathered_last_layer=step_cfg.gather_last_layer)
-        if step_cfg.uses_teacher:
-            teacher_sh = strip_heads(state_sh.params)
-            shapes = jax.eval_shape(_teacher_cast(teacher_dtype, model.config.dtype), strip_heads(abstract_state.params))
-            abstract_teacher = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                            shapes, teacher_sh)
+    teacher_sh = abstract_teacher = None
+    if teacher_model is not None:
+        teacher_sh = strip_heads(state_sh.params)
+        shapes = jax.eval_shape(_teacher_cast(teacher_dtype, model.config.dtype), strip_heads(abstract_state.params))
+        abstract_teacher = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                        shapes, teacher_sh)
+    train_step = objective.train_step(model, step_cfg, tx, schedule, teacher_model)
+    eval_step = objective.eval_step(model, step_cfg, teacher_model)
+    flops = objective.flops(model, step_cfg, batch=config.global_batch_size, length=config.max_len)
 
     spec = _batch_spec(config, step_cfg)
     batch_sh = {k: parallel.batch_sharding(mesh, len(shape)) for k, (shape, _) in spec.items()}
@@ -414,14 +421,15 @@ def build_program(config, devices: Sequence[Any] | None = None, *, architecture:
                      out_shardings=(state_sh, repl), donate_argnums=(0,))
     override = float(config.metrics.peak_flops_per_device)
     peak = override if override > 0 else peak_flops_of_kind(target.device_kind)
-    return Program(config=config, target=target, mesh=mesh, rules=rules, model=model, teacher_model=teacher_model,
-                   step_cfg=step_cfg, tx=tx, schedule=schedule, special_ids=special_ids, state_shardings=state_sh,
-                   teacher_shardings=teacher_sh, batch_shardings=batch_sh, abstract_state=abstract_state,
-                   abstract_teacher=abstract_teacher, abstract_batch=abstract_batch, abstract_rng=abstract_rng,
-                   train_step=jitted, eval_step=jax.jit(eval_step), eval_ratios=eval_ratios, flops_per_step=flops,
-                   peak_flops_per_device=peak, teacher_dtype=teacher_dtype)
+    return Program(config=config, objective=objective, target=target, mesh=mesh, rules=rules, model=model,
+                   teacher_model=teacher_model, step_cfg=step_cfg, tx=tx, schedule=schedule, special_ids=special_ids,
+                   state_shardings=state_sh, teacher_shardings=teacher_sh, batch_shardings=batch_sh,
+                   abstract_state=abstract_state, abstract_teacher=abstract_teacher, abstract_batch=abstract_batch,
+                   abstract_rng=abstract_rng, train_step=jitted, eval_step=jax.jit(eval_step),
+                   eval_ratios=objective.ratios, flops_per_step=flops, peak_flops_per_device=peak,
+                   teacher_dtype=teacher_dtype)
 
 
 __all__ = ["Target", "Program", "build_program", "run_devices", "bert_config", "model_from_config", "hf_params_for",
-           "build_model", "teacher_of", "strip_heads", "check_batch_arithmetic", "check_model", "host_rows",
-           "state_shardings", "create_state", "create_coco_state", "create_teacher", "initial_params"]
+           "build_model", "strip_heads", "check_batch_arithmetic", "check_model", "host_rows",
+           "state_shardings", "create_state", "create_teacher", "initial_params"]
