@@ -70,6 +70,7 @@ def test_self_similarity_matches_naive_double_loop(tiny):
     np.testing.assert_allclose(got, sums / count, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_micro_average_over_batches(tiny):
     """Sums and counts add across batches: the corpus score is not a mean of batch means."""
     model, params = tiny
@@ -108,6 +109,7 @@ def test_cosine_matrix_is_the_last_layer(tiny):
     np.testing.assert_allclose(np.diag(mat), 1.0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_command_writes_json_and_plots(tmp_path, capsys):
     words = ("hello", "world") + tuple(testing.WORDS[:60])
     tok_dir = testing.write_toy_tokenizer(str(tmp_path / "tok"), extra_words=words)
@@ -148,6 +150,7 @@ def test_workdir_export_picks_latest_then_final_then_newest_step(tmp_path):
     assert analyze.workdir_export(str(tmp_path)).endswith("latest")
 
 
+@pytest.mark.slow
 def test_training_run_analyses_its_export_on_held_out_sentences(tmp_path, caplog):
     """A tiny real TaCL run (text corpus, init from an HF folder) ends with workdir/analysis/: its
     numbers are what tacl_jax.analyze computes directly on the export and on the init folder."""

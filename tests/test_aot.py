@@ -34,6 +34,7 @@ def _tiny(**overrides):
     return tiny_config(**overrides)   # configs/tiny.py with dotted-key overrides (tests/test_train.py)
 
 
+@pytest.mark.slow
 def test_multihost_tpu_program_is_decided_by_the_target():
     """v5e-16 (16 chips, 4 hosts): 'auto' is bf16 though this host's CPU may say f32, the kernels
     are plain XLA (no CPU-only op in the program), every host feeds B/4 rows, the traced matmul
@@ -72,6 +73,7 @@ def test_host_rows_follow_the_topology():
         setup.check_batch_arithmetic(_tiny(global_batch_size=48, grad_accum_steps=2), mesh)
 
 
+@pytest.mark.slow
 def test_cpu_kernels_are_detected_in_a_program(monkeypatch):
     """The detector is real: forcing the XLA:CPU kernel family into a v4-8 program (bf16, with the
     transposed copies) shows up as CPU-only ops; the same program for the CPU has them too."""
@@ -81,6 +83,7 @@ def test_cpu_kernels_are_detected_in_a_program(monkeypatch):
     assert r["kernels"] == "cpu" and r["cpu_kernels_in_program"] and r["cpu_kernel_ops"] > 0
 
 
+@pytest.mark.slow
 def test_too_large_for_the_topology_exits_2(tmp_path):
     """A 4M-word vocabulary at hidden 1024 (16 GB of word embeddings, plus Adam's moments and the
     teacher) cannot fit a v4 chip: exit status 2, a message naming the config and the bytes."""
@@ -98,6 +101,7 @@ def test_too_large_for_the_topology_exits_2(tmp_path):
     assert report["fits"] is False
 
 
+@pytest.mark.slow
 def test_gpu_program_compiles_where_the_cuda_plugin_is():
     """8×H100 (``launch/aot_gpu_env.sh`` makes the environment; libtpu must not share it)."""
     import importlib.util
@@ -110,6 +114,7 @@ def test_gpu_program_compiles_where_the_cuda_plugin_is():
     assert r["fits"]
 
 
+@pytest.mark.slow
 def test_the_loop_runs_the_builders_program(tmp_path, monkeypatch):
     """``train_and_evaluate`` trains with the step ``build_program`` jitted (the one ``tacl_jax.aot``
     compiles), on this process's devices: every training step goes through it, and its program

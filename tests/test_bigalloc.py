@@ -13,8 +13,9 @@ import pytest
 
 from tacl_jax import hostenv
 
-pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
-                                reason="an LD_PRELOAD shim over glibc malloc")
+pytestmark = [pytest.mark.slow,  # every test runs a Python process under the shim
+              pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+                                 reason="an LD_PRELOAD shim over glibc malloc")]
 MB = 1 << 20
 
 # Runs under the shim; prints one JSON line. `stats()` reads the shim's counters.

@@ -19,6 +19,8 @@ from tacl_jax.train import loop
 
 from test_train import tiny_config
 
+pytestmark = pytest.mark.slow  # kill/resume, CLI and full training runs
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 

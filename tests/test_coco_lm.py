@@ -197,6 +197,7 @@ def _nt_xent_numpy(q, k, tau, group_size):
     return out, correct
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group_size,tau", [(0, 1.0), (2, 1.0), (3, 1.0), (2, 0.1), (1, 1.0)])
 def test_nt_xent_matches_numpy(group_size, tau):
     rng = np.random.default_rng(2)
@@ -212,6 +213,7 @@ def test_nt_xent_matches_numpy(group_size, tau):
         np.testing.assert_allclose(nll, 0.0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_nt_xent_one_group_of_the_whole_batch_is_the_ungrouped_loss():
     rng = np.random.default_rng(5)
     q, k = (jnp.asarray(rng.normal(size=(8, 4)), jnp.float32) for _ in range(2))
@@ -279,6 +281,7 @@ def test_sampling_matches_the_softmax_chi_square():
 
 # ----------------------------------------------------------------------------- the step
 
+@pytest.mark.slow
 def test_no_gradient_reaches_the_generator_from_the_main_losses():
     config = coco_config()
     s = _setup(config, dict(data=1, fsdp=1, tensor=1), jax.devices()[:1])
@@ -301,6 +304,7 @@ def test_no_gradient_reaches_the_generator_from_the_main_losses():
     assert norm(g_main["main"]["embeddings"]) > 0 and "embeddings" not in g_main["generator"]
 
 
+@pytest.mark.slow
 def test_sharded_loss_and_grads_equal_single_device():
     assert jax.device_count() == 8, "conftest sets 8 fake CPU devices"
     config = coco_config()
@@ -317,6 +321,7 @@ def test_sharded_loss_and_grads_equal_single_device():
     _assert_trees_close(g8, g1, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_k_micro_batches_equal_one_batch():
     # SCL's negatives are the micro-batch's by construction, so its weight is 0 here; every other
     # term (and the sampling, the mask and the crops) must not depend on the split.
@@ -335,6 +340,7 @@ def test_k_micro_batches_equal_one_batch():
     assert len(set(lengths[i::4].sum() for i in range(4))) > 1, "micro-batches of equal size test no weighting"
 
 
+@pytest.mark.slow
 def test_accumulation_on_a_data_mesh_keeps_the_micro_batch_scl_negatives():
     """k = 4 on a 2-device data mesh (``step.accumulate``'s ``shard_map``: each device's loss on
     its rows, one ``psum`` per step) equals k = 4 on one device (the plain scan), SCL included:
@@ -397,6 +403,7 @@ def _scl_group_reference():
     return batch, _grads(ref, batch)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(SCL_INVARIANCE_CASES))
 def test_scl_groups_do_not_depend_on_the_mesh_or_accumulation(case):
     """``coco_lm.scl_group_size`` = 4 on a batch of 16: the step's SCL loss (and every other
@@ -454,6 +461,7 @@ def test_scl_group_size_config_errors():
         validate(c)
 
 
+@pytest.mark.slow
 def test_copy_mixture_step_trains_the_copy_head_through_the_clm():
     """clm_form='copy_mixture' in the step: the CLM term alone reaches the binary head (the
     posted form's detached weight does not); the CLM sums differ between the forms while the
@@ -492,6 +500,7 @@ def _progressions(batch_size, max_len, first, span, seed=0):
     return dict(input_ids=ids, attention_mask=np.ones_like(ids), token_type_ids=np.zeros_like(ids))
 
 
+@pytest.mark.slow
 def test_tiny_run_binary_accuracy_beats_the_all_original_baseline(tmp_path):
     config = _no_dropout(coco_config(global_batch_size=16, num_train_steps=40))
     config.optim.learning_rate = 3e-3

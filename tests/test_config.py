@@ -309,6 +309,7 @@ def test_unknown_key_names_the_path_and_the_nearest_keys(path, message):
         assert message in got and "\n" not in got
 
 
+@pytest.mark.slow
 def test_unknown_config_key_is_refused_by_the_cli(tmp_path):
     """One process for every case: the nested and top-level typos are all reported, one line
     each, before anything starts."""

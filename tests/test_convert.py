@@ -41,6 +41,7 @@ def test_taken_out_is_refused_before_the_checkpoint_is_read(tmp_path):
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+@pytest.mark.slow
 def test_cli_one_line_errors_for_a_taken_out_and_overwrite_reaches_the_check(tmp_path):
     out, run = tmp_path / "hf", tmp_path / "no_run"
     before = _taken(out)
@@ -57,6 +58,7 @@ def test_cli_one_line_errors_for_a_taken_out_and_overwrite_reaches_the_check(tmp
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+@pytest.mark.slow
 def test_cli_out_that_is_a_file_is_named(tmp_path):
     f = tmp_path / "model.bin"
     f.write_bytes(b"keep me")

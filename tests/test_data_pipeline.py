@@ -156,6 +156,7 @@ def test_eval_batches_are_fixed_and_held_out(corpus_path, tokenizer_dir):
     assert not train & held
 
 
+@pytest.mark.slow
 def test_worker_processes_give_the_same_batches(corpus_path, tokenizer_dir):
     kw = _kwargs(tokenizer_dir)
     ref = _take(data.make_train_iterator(_config(f"text:{corpus_path}"), **kw), 3)

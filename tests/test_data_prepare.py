@@ -175,6 +175,7 @@ def test_tfds_text_source(tmp_path):
                                          data_dir=str(tmp_path))).documents())
 
 
+@pytest.mark.slow
 def test_cli_with_worker_processes(tmp_path, corpus_path, tokenizer_dir):
     config_file = tmp_path / "cfg.py"
     config_file.write_text(

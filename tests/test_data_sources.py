@@ -125,6 +125,7 @@ def test_config_validation():
             data_config.validate(bad)
 
 
+@pytest.mark.slow
 def test_builtin_python_docs_is_real_english():
     docs = python_docs.documents()
     assert len(docs) > 2000

@@ -163,6 +163,7 @@ def _tiny(bits, rate=0.3):
                       hidden_dropout_prob=rate, attention_probs_dropout_prob=rate, dropout_bits=bits)
 
 
+@pytest.mark.slow
 def test_bert_dropout_bits_switch():
     """Both draws are real dropout (outputs differ from the deterministic pass and between keys);
     16 and 32 bits draw different masks; deterministic passes agree."""

@@ -33,6 +33,7 @@ def _model_and_inputs(**overrides):
     return model, nn.meta.unbox(params), (ids, mask, types), positions
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [dict(), dict(with_nsp_head=True), dict(remat_policy="full"),
                                        dict(scan_layers=True), dict(scan_layers=True, remat_policy="full")],
                          ids=["plain", "nsp", "remat", "scan", "scan_remat"])
@@ -54,12 +55,14 @@ def test_model_outputs_at_positions_equal_the_full_model(overrides):
         assert part.pooled is None, "the pooler reads [CLS], which is not among the positions"
 
 
+@pytest.mark.slow
 def test_model_refuses_positions_it_cannot_honour():
     model, params, args, positions = _model_and_inputs()
     with pytest.raises(ValueError, match="either mlm_positions or last_layer_positions"):
         model.apply({"params": params}, *args, mlm_positions=positions, last_layer_positions=positions)
 
 
+@pytest.mark.slow
 def test_scanned_encoder_with_gathered_last_layer_drops_out_in_every_layer():
     """The scanned encoder's gathered path (a scan over the first N-1 slices of the stacked params,
     then the last layer alone) applies dropout in every layer with the dropout stream: each layer's
@@ -96,6 +99,7 @@ def test_scanned_encoder_with_gathered_last_layer_drops_out_in_every_layer():
         assert g.shape[0] == n and all(np.abs(np.asarray(g[i])).max() > 0 for i in range(n)), path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nsp,scan", [(False, False), (True, False), (False, True)], ids=["plain", "nsp", "scan"])
 def test_step_loss_and_grads_equal_the_full_last_layer(nsp, scan):
     """Same loss terms, same gradients; without dropout, whose masks are drawn for other shapes."""
@@ -123,6 +127,7 @@ def _dot_flops(hlo: str) -> float:
                      if 1 not in d.lhs_shape + d.rhs_shape + d.out_shape))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gather", [True, False])
 def test_step_flops_formula_matches_the_compiled_step(gather):
     """``flops.step_flops`` (the MFU's numerator) against the matmuls XLA actually runs in the

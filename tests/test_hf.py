@@ -89,6 +89,7 @@ def test_load_default_dtype_is_trainings_auto_rule(tmp_path, monkeypatch):
         assert (dtype(dtype="bfloat16"), dtype(dtype="float32")) == ("bfloat16", "float32")
 
 
+@pytest.mark.slow
 def test_gathered_mlm_head_equals_full_head(tmp_path):
     pt = _torch_model(transformers.BertForMaskedLM)
     pt.save_pretrained(tmp_path)
@@ -101,6 +102,7 @@ def test_gathered_mlm_head_equals_full_head(tmp_path):
                                atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head,cls", [("mlm", transformers.BertForMaskedLM), ("none", transformers.BertModel)])
 def test_export_loads_in_transformers_with_same_outputs(tmp_path, head, cls):
     cfg = BertConfig(**TINY, dtype="float32")
@@ -153,6 +155,7 @@ def test_encoder_only_checkpoint_initialises_mlm_head(tmp_path, caplog):
                                atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_real_minilm_checkpoint_matches_transformers(minilm_dir):
     """The real pretrained MiniLM (encoder-only, sentence-transformers layout) read both ways."""
     model, params = hf.load(minilm_dir, dtype="float32")
@@ -184,6 +187,7 @@ def test_bad_folders_give_clear_errors(tmp_path):
         hf.load(str(tmp_path))
 
 
+@pytest.mark.slow
 def test_real_minilm_export_round_trip_through_transformers(minilm_dir, tmp_path):
     """The real checkpoint exported both ways: BertForMaskedLM logits (with the MLM head we
     initialised) and BertModel hidden states equal ours."""
@@ -300,6 +304,7 @@ def test_failed_save_leaves_the_old_export_untouched(tmp_path, tiny, minilm_dir,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+@pytest.mark.slow
 def test_save_removes_what_a_killed_save_left(tmp_path, tiny):
     model, params = tiny
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,

@@ -123,6 +123,7 @@ def _report(extra_env):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc malloc")
 def test_reexec_reuses_freed_blocks():
     tuned = _report({"JAX_PLATFORMS": "cpu"})   # the suite's platform (conftest), here spelled out
@@ -158,6 +159,7 @@ def test_describe_names_the_allocator():
     assert hostenv.describe({}, CPU) == "system default"   # a CPU run not tuned: not glibc
 
 
+@pytest.mark.slow
 def test_bigalloc_library_is_built_once_and_atomically(tmp_path):
     env = {"TACL_CACHE_DIR": str(tmp_path)}
     first = hostenv.bigalloc_library(env)

@@ -87,6 +87,7 @@ def test_measures_match_naive_loops():
     assert got["anchor_tacl_loss_decommon"] != pytest.approx(got["anchor_tacl_loss"], rel=1e-3)
 
 
+@pytest.mark.slow
 def test_sums_add_over_batches():
     """Measures of two batches' added sums equal those of the concatenated batch."""
     rng = np.random.default_rng(1)

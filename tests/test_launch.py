@@ -108,6 +108,7 @@ SLURM_JOB = dict(SLURM_JOB_ID="1234", SLURM_JOB_NODELIST="gpu[01-02]", SLURM_NTA
                  SLURM_JOB_NUM_NODES="2", SLURM_NTASKS_PER_NODE="8", SLURM_CPUS_PER_TASK="8")
 
 
+@pytest.mark.slow
 def test_slurm_passes_cpus_per_task_and_latency_hiding_and_leaves_gpus_to_tacl_jax(fake):
     out = fake.run("slurm_gpu.sbatch", "--config.num_train_steps=10", XLA_FLAGS="--xla_dump_to=/tmp/d",
                    **SLURM_JOB).stdout
@@ -125,6 +126,7 @@ def test_slurm_passes_cpus_per_task_and_latency_hiding_and_leaves_gpus_to_tacl_j
     assert "16 processes on 2 node(s) (8 per node), coordinator gpu01:21234" in out
 
 
+@pytest.mark.slow
 def test_slurm_keeps_the_users_latency_hiding_setting_and_a_job_without_cpus_per_task(fake):
     job = {k: v for k, v in SLURM_JOB.items() if k != "SLURM_CPUS_PER_TASK"}
     fake.run("slurm_gpu.sbatch", XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=false", **job)
@@ -132,6 +134,7 @@ def test_slurm_keeps_the_users_latency_hiding_setting_and_a_job_without_cpus_per
     assert fake.dir.joinpath("python_xla_flags").read_text() == "--xla_gpu_enable_latency_hiding_scheduler=false"
 
 
+@pytest.mark.slow
 def test_gpu_single_host_adds_latency_hiding_after_the_users_flags(fake):
     fake.run("gpu_single_host.sh", XLA_FLAGS="--xla_gpu_autotune_level=0")
     assert fake.dir.joinpath("python_xla_flags").read_text() == f"--xla_gpu_autotune_level=0 {LHS_FLAG}"
@@ -139,6 +142,7 @@ def test_gpu_single_host_adds_latency_hiding_after_the_users_flags(fake):
     assert fake.dir.joinpath("python_xla_flags").read_text() == LHS_FLAG
 
 
+@pytest.mark.slow
 def test_the_launchers_xla_flag_is_one_xla_knows():
     """XLA aborts every process on an unknown flag in XLA_FLAGS: the launchers' flag must be real."""
     for script in ("slurm_gpu.sbatch", "gpu_single_host.sh"):
@@ -151,6 +155,7 @@ def test_the_launchers_xla_flag_is_one_xla_knows():
 
 # ----------------------------------------------------------------------------- Cloud TPU VMs
 
+@pytest.mark.slow
 def test_tpu_ssh_flags_reach_every_ssh_and_scp_and_logs_come_back_from_every_worker(fake):
     flags = ["--internal-ip", "--strict-host-key-checking=no"]
     fake.run("tpu_vm.sh", "create", "setup", "train", "logs", "status", "stop", "fetch-logs", "ssh", "uptime",
@@ -171,6 +176,7 @@ def test_tpu_ssh_flags_reach_every_ssh_and_scp_and_logs_come_back_from_every_wor
                           ("tacl-tpu:tacl/train.log", f"{logs}/worker-1.log", "--worker=1")], copies
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ignores_term", [True, False])
 def test_tpu_stop_kills_a_run_that_ignores_sigterm_and_fetches_the_log(fake, ignores_term):
     ready = fake.dir / "ready"
@@ -201,6 +207,7 @@ def test_tpu_stop_kills_a_run_that_ignores_sigterm_and_fetches_the_log(fake, ign
     assert (fake.dir / "logs" / "worker-0.log").read_text() == "step 100 loss 2.5\n"
 
 
+@pytest.mark.slow
 def test_tpu_train_refuses_a_held_tpu_and_removes_a_stale_libtpu_lock(fake):
     lock = fake.dir / "libtpu_lockfile"
     lock.write_text("")
@@ -223,6 +230,7 @@ def test_tpu_train_refuses_a_held_tpu_and_removes_a_stale_libtpu_lock(fake):
     assert fake.args("python_args")[:2] == ["-m", "tacl_jax.main"]
 
 
+@pytest.mark.slow
 def test_tpu_rejects_a_bad_stop_timeout(fake):
     proc = fake.run("tpu_vm.sh", "stop", check=False, STOP_TIMEOUT="15m")
     assert proc.returncode == 2 and "STOP_TIMEOUT=15m: a whole number of seconds" in proc.stderr
@@ -235,6 +243,7 @@ def test_multislice_is_declared_unsupported():
 
 # ----------------------------------------------------------------------------- hygiene
 
+@pytest.mark.slow
 def test_launchers_pass_bash_n_and_shellcheck():
     scripts = sorted(map(str, [*LAUNCH.glob("*.sh"), *LAUNCH.glob("*.sbatch")]))
     for script in scripts:

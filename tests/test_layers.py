@@ -48,6 +48,7 @@ def test_matmul_value_and_grads_equal_autodiff(with_bias, kernels):
         np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernels", ["cpu", "xla"])
 @pytest.mark.parametrize("in_f,out_f", [((6,), (3, 4)), ((3, 4), (6,)), ((6,), (5,))])
 def test_dense_with_heads_axes_value_and_grads_equal_a_plain_tensordot(kernels, in_f, out_f):
@@ -71,6 +72,7 @@ def test_dense_with_heads_axes_value_and_grads_equal_a_plain_tensordot(kernels, 
         np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernels", ["cpu", "xla"])
 def test_bf16_dense_with_heads_axes_rounds_like_the_2d_matmul(kernels):
     """bf16 compute: the heads-axes ``Dense`` gives the 2-d ``matmul``'s value (bf16 operands, f32
@@ -108,6 +110,7 @@ def test_bf16_matmul_keeps_f32_accumulation_and_bf16_backward():
     assert dx.dtype == dw.dtype == db.dtype == jnp.float32
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("copy", [True, False])
 def test_bf16_weight_gradients_through_the_transposed_copy(monkeypatch, copy):
     """bf16 ``dW = xᵀ·g`` and the tied decoder's ``d table = gᵀ·h`` equal numpy's product of the
@@ -218,6 +221,7 @@ def test_attention_matches_a_naive_loop(kernels):
     np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(2, 8, 2, 4), (2, 20, 2, 4), (1, 9, 2, 8)])
 def test_bf16_attention_through_canonical_copies_equals_the_einsum_path(monkeypatch, shape):
     """The XLA:CPU bf16 attention (materialised heads transposes, hand-written backward of
@@ -256,6 +260,7 @@ def test_bf16_attention_through_canonical_copies_equals_the_einsum_path(monkeypa
         assert {t for _, x, y in _dots(hlo0) for t in (x, y)} == {"f32"}   # what the copies avoid
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_xla_attention_value_and_grads_equal_the_f32_autodiff_path(dtype):
     """``kernels='xla'`` (softmax out in the compute dtype, its own backward from that output,
@@ -298,6 +303,7 @@ def test_attention_batched_products_take_either_copy(m, k, n):
     np.testing.assert_array_equal(np.float32(tn), np.einsum("bhkm,bhkn->bhmn", np.float32(a), np.float32(b)))
 
 
+@pytest.mark.slow
 def test_padded_vocab_logits_give_the_same_loss_and_grads():
     """The training path (``padded_vocab=True``: padding columns at -1e9, no slice) and the public
     path (logits sliced to the real vocabulary) agree on the MLM loss and every gradient."""

@@ -231,6 +231,7 @@ def test_subword_budgets_select_exactly_the_originals_count(budget):
     assert want[0] == 28 and want[2] == 1 and want[3] == 0   # n=190; [CLS] x [SEP]; [CLS] [SEP]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", ["bert", "tacl"])
 def test_whole_word_budgets_take_whole_words_and_the_originals_word_count(budget):
     length = 64
@@ -278,6 +279,7 @@ def test_tacl_whole_words_skip_a_word_that_would_overflow_the_slots():
     assert num_predictions(length, budget="tacl") == num_predictions(length) == 10
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("whole_word", [False, True])
 def test_tacl_budget_keeps_the_80_10_10_split(whole_word):
     batch = _rows([64] * 96 + [40] * 32, 64, seed=5)

@@ -14,6 +14,8 @@ import time
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # two or three training processes per test
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 

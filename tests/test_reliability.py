@@ -63,6 +63,7 @@ def _all_checkpoints_finite(workdir, config) -> list[int]:
     return steps
 
 
+@pytest.mark.slow
 def test_a_diverging_run_never_saves_non_finite_state_and_resumes_from_the_last_finite(tmp_path, caplog):
     config = _quick(num_train_steps=8)
     config.optim.learning_rate = 1e9   # finite loss at the first steps, NaN params soon after
@@ -88,6 +89,7 @@ def test_a_diverging_run_never_saves_non_finite_state_and_resumes_from_the_last_
 
 # ----------------------------------------------------------------------------- end of run
 
+@pytest.mark.slow
 def test_a_finished_run_redoes_a_lost_final_export(tmp_path, caplog):
     config = _quick(num_train_steps=2, export_at_end=True, eval_at_end=True)
     (tmp_path / "export").write_text("in the way")   # the export fails after the last checkpoint
@@ -112,6 +114,7 @@ def test_a_finished_run_redoes_a_lost_final_export(tmp_path, caplog):
 
 # ----------------------------------------------------------------------------- the workdir
 
+@pytest.mark.slow
 def test_a_workdir_held_by_a_live_run_is_refused_and_a_dead_runs_lock_is_taken_over(tmp_path, caplog):
     config = _quick(num_train_steps=1)
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
@@ -174,6 +177,7 @@ def test_a_workdir_that_is_a_file_or_unwritable_is_refused_before_compiling(tmp_
 
 # ----------------------------------------------------------------------------- resume
 
+@pytest.mark.slow
 def test_resume_refuses_a_changed_objective_and_warns_about_a_changed_learning_rate(tmp_path, caplog):
     config = _quick(num_train_steps=4, steps_per_run=2)
     config.checkpoint.every = 2
@@ -189,6 +193,7 @@ def test_resume_refuses_a_changed_objective_and_warns_about_a_changed_learning_r
     assert "optim.learning_rate" in caplog.text and "0.0005" in caplog.text
 
 
+@pytest.mark.slow
 def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before_and_resumes_exactly(tmp_path, caplog):
     ref_dir, run = tmp_path / "ref", tmp_path / "run"
     config = _quick(num_train_steps=4)
@@ -215,6 +220,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before_and_resumes_ex
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.slow
 def test_a_failed_save_says_so_in_one_line_with_the_last_good_checkpoint(tmp_path, monkeypatch):
     config = _quick(num_train_steps=4)
     config.checkpoint.update(every=1, async_save=False)
@@ -258,6 +264,7 @@ def test_ctrl_c_sets_the_stop_flag_and_a_second_one_interrupts():
     assert not multi.is_set()
 
 
+@pytest.mark.slow
 def test_sigterm_during_start_up_is_said_and_exits_0(tmp_path):
     env = _env()
     # Without JAX_PLATFORMS, as a user runs it: main sees no chip and says "cpu" to jax itself, so an
@@ -292,6 +299,7 @@ def test_metric_rows_are_json_and_rows_past_the_resumed_step_are_dropped(tmp_pat
     assert np.isnan(float(rows[-1]["loss"]))
 
 
+@pytest.mark.slow
 def test_a_run_resumed_from_params_from_keeps_its_teacher(tmp_path):
     """A TaCL run started from another run's params (``init.params_from``, no ``hf_path``) records
     the step it used; resumed, it rebuilds the teacher from that step — even after the other run
@@ -316,6 +324,7 @@ def test_a_run_resumed_from_params_from_keeps_its_teacher(tmp_path):
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.slow
 def test_params_from_step_that_does_not_exist_is_named(tmp_path):
     src = tmp_path / "src"
     loop.train_and_evaluate(_quick(num_train_steps=2), str(src))

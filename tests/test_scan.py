@@ -95,6 +95,7 @@ def test_scanned_forward_equals_unrolled_and_params_are_stacked():
         BertConfig(**TINY, scan_layers="yes")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy,want", [("none", None), ("full", "policy=None"),
                                          ("save_dots", "policy=DotsSaveable(only_if_no_batch_dims=True)")])
 def test_remat_policy_wraps_the_scanned_layer_body(policy, want):
@@ -128,6 +129,7 @@ def _scan_config(scan: bool, policy: str):
 
 # 'save_dots' is left to test_remat_policy_wraps_the_scanned_layer_body (which policy wraps the
 # scanned body) and test_train's remat equality (what each policy computes): ~1 min of CI less.
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["none", "full"])
 def test_train_loss_and_grads_equal_unrolled(policy):
     mesh = dict(data=2, fsdp=2, tensor=2)     # the stacked params sharded over fsdp and tensor
@@ -164,6 +166,7 @@ def test_train_loss_and_grads_equal_unrolled(policy):
 
 # ----------------------------------------------------------------------------- Hugging Face
 
+@pytest.mark.slow
 def test_hf_export_and_load_with_scanned_layers(tmp_path):
     torch = pytest.importorskip("torch")
     import transformers
@@ -221,6 +224,7 @@ def test_hf_export_and_load_with_scanned_layers(tmp_path):
 
 
 
+@pytest.mark.slow
 def test_loop_with_scan_checkpoints_resumes_and_matches_unrolled_run(tmp_path):
     """Both runs start from the same HF folder (student and teacher), dropout off: the scanned run,
     paused after 2 steps and resumed from its checkpoint on a sharded mesh, follows the unrolled

@@ -65,7 +65,9 @@ def _assert_trees_close(a, b, rtol, atol, leaf_atol=0.0):
         np.testing.assert_allclose(np.asarray(x), y, rtol=rtol, atol=tol, err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("mesh_sizes", [dict(data=2, fsdp=2, tensor=2), dict(data=8, fsdp=1, tensor=1)])
+# The 2×2×2 mesh (data, fsdp and tensor at once) stays in the fast tier; data-only 8 is slow.
+@pytest.mark.parametrize("mesh_sizes", [dict(data=2, fsdp=2, tensor=2),
+                                        pytest.param(dict(data=8, fsdp=1, tensor=1), marks=pytest.mark.slow)])
 def test_sharded_loss_and_grads_equal_single_device(mesh_sizes):
     assert jax.device_count() == 8, "conftest sets 8 fake CPU devices"
     config = tiny_config(nsp=True)
@@ -86,6 +88,7 @@ def test_sharded_loss_and_grads_equal_single_device(mesh_sizes):
     assert "nsp_nll" in s1 and "tacl_nll" in s1
 
 
+@pytest.mark.slow
 def test_bf16_teacher_kernels_in_compute_dtype_change_nothing():
     """``tacl.teacher_param_dtype='compute'`` (the default) stores the teacher's kernels in bf16 once
     instead of casting them every step: loss and gradients are bit-identical to an f32 teacher."""
@@ -103,6 +106,7 @@ def test_bf16_teacher_kernels_in_compute_dtype_change_nothing():
     _assert_trees_close(gc, g32, 0, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("copy", [True, False])
 def test_bf16_sharded_loss_and_grads_equal_single_device(monkeypatch, copy):
     """The bf16 step (with and without the CPU's transposed copy for weight gradients,
@@ -136,6 +140,7 @@ def _assert_trees_rel_close(a, b, tol):
         assert err <= tol * ref + 1e-5, f"{jax.tree_util.keystr(path)}: |diff| {err:.3g} vs |ref| {ref:.3g}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_sizes", [dict(data=2, fsdp=1, tensor=1), dict(data=2, fsdp=2, tensor=2)])
 def test_k_micro_batches_equal_one_batch(mesh_sizes):
     """Dropout off, k = 4 equals k = 1 on the same mesh: on a pure data mesh through
@@ -196,6 +201,7 @@ def _gradient_reductions(text: str) -> tuple[int, int]:
     return counts[1], counts[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_sizes", [dict(data=2, fsdp=1, tensor=1), dict(data=1, fsdp=2, tensor=1)])
 def test_accumulation_reduces_gradients_once_outside_the_loop(mesh_sizes):
     """The compiled k = 4 step on a 2-device data mesh reduces its gradients after the
@@ -243,6 +249,7 @@ def test_accumulate_folds_the_shard_index_into_the_dropout_keys():
     assert float(sums["rows"]) == 16.0 and float(loss) == 0.0
 
 
+@pytest.mark.slow
 def test_tiny_model_overfits_a_fixed_batch():
     config = tiny_config(global_batch_size=8, num_train_steps=100)
     config.optim.learning_rate = 5e-3
@@ -264,6 +271,7 @@ def test_tiny_model_overfits_a_fixed_batch():
     assert losses[-1] < losses[0] / 4, (losses[0], losses[-1])
 
 
+@pytest.mark.slow
 def test_loop_runs_and_logs_every_step(tmp_path, caplog):
     config = tiny_config(num_train_steps=4, log_every=1)
     config.checkpoint.every = 2
@@ -305,6 +313,7 @@ def test_startup_validation_errors(tmp_path, overrides, match):
     assert not (tmp_path / "checkpoints").exists()   # refused before anything is written
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_with_a_clear_message(tmp_path):
     config = tiny_config(num_train_steps=6)
     config.optim.learning_rate = 1e9   # diverges; config.validate refuses a NaN learning rate itself
@@ -313,6 +322,7 @@ def test_non_finite_loss_stops_with_a_clear_message(tmp_path):
         loop.train_and_evaluate(config, str(tmp_path))
 
 
+@pytest.mark.slow
 def test_remat_policies_leave_loss_and_grads_unchanged():
     config = tiny_config(global_batch_size=8)
     batch = None
@@ -327,6 +337,7 @@ def test_remat_policies_leave_loss_and_grads_unchanged():
         _assert_trees_close(results[policy][2], results["none"][2], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_profile_steps_trace_the_window_and_bad_values_are_refused(tmp_path, caplog):
     import gzip
 
