@@ -1,8 +1,6 @@
 """TaCL (arXiv 2111.04198), the recommended run: the paper's recipe with this code's clean defaults.
 
-    huggingface-cli download bert-base-uncased --local-dir /path/bert-base-uncased
-    python -m tacl_jax.main --config=configs/base.py --workdir=gs://BUCKET/tacl_base \
-        --config.init.hf_path=/path/bert-base-uncased
+    python -m tacl_jax.main --config=configs/base.py --workdir=gs://BUCKET/tacl_base
 
 Student and teacher start from bert-base-uncased; L = 256, global batch 256, 150k steps, AdamW lr
 1e-4, eps 1e-6, no weight decay, 10% linear warm-up then linear decay, clip 1.0, τ = 0.01: the
@@ -25,7 +23,7 @@ from tacl_jax.config import default_config
 
 def get_config():
     c = default_config()
-    c.init.hf_path = "bert-base-uncased"   # a local folder; see the command above
+    c.init.hf_path = "bert-base-uncased"   # a Hub id (the Hugging Face cache) or a local folder
     c.max_len = 256
     c.global_batch_size = 256
     c.num_train_steps = 150_000

@@ -1,10 +1,9 @@
 """TaCL as the authors ran it (github yxuansu/TaCL, ``pretraining/``): a faithful reproduction.
 
-    huggingface-cli download bert-base-uncased --local-dir /path/bert-base-uncased
     python -m tacl_jax.data.prepare --config=configs/paper.py --config.data.source=text:/data/wiki/*.txt \
         --out=/data/wiki_l256_pairs --workers=32
     python -m tacl_jax.main --config=configs/paper.py --workdir=gs://BUCKET/tacl_paper \
-        --config.init.hf_path=/path/bert-base-uncased --config.data.source=prepared:/data/wiki_l256_pairs
+        --config.data.source=prepared:/data/wiki_l256_pairs
 
 ``configs/base.py`` (which this builds on) is the same recipe with this code's recommended
 defaults. Shared by both, as the authors' code has it: student and teacher from bert-base-uncased

@@ -43,7 +43,8 @@ def test_registry_names_the_config_objectives():
         objective.get("electra")
 
 
-@pytest.mark.parametrize("name", ["tacl", "mlm", "coco_lm"])
+@pytest.mark.parametrize("name", ["tacl", pytest.param("mlm", marks=pytest.mark.slow),
+                                  pytest.param("coco_lm", marks=pytest.mark.slow)])
 def test_eval_step_is_the_train_loss_without_dropout(name):
     """The eval step's sums at mask key r equal the train step's loss sums at a step key whose
     mask key is r (dropout off): one loss function serves both."""
@@ -107,6 +108,7 @@ class _Renamed:
 RENAMED = _Renamed()
 
 
+@pytest.mark.slow
 def test_a_registry_entry_plugs_in_a_new_objective(monkeypatch):
     """setup.build_program builds, and the loop's step runs, an objective it has never heard of."""
     monkeypatch.setitem(sys.modules, "toy_objective_module", sys.modules[__name__])
