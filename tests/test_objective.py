@@ -128,3 +128,42 @@ def test_a_registry_entry_plugs_in_a_new_objective(monkeypatch):
     with jax.set_mesh(prog2.mesh):
         _, m2 = prog2.train_step(prog2.create_state(), None, _batch(prog2), jax.random.key(0))
     np.testing.assert_allclose(metrics["renamed_mlm_loss"], float(m2["mlm_loss"]), rtol=1e-6)
+
+
+def test_the_package_has_no_import_cycles():
+    """Imports between tacl_jax modules (module- or function-level; the objective registry's
+    importlib lookups aside) form no cycle: setup -> objective -> step/coco_step -> update,
+    nothing pointing back up."""
+    import ast
+
+    root = ROOT / "tacl_jax"
+    mods = {}
+    for path in root.rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        mods[name.removesuffix(".__init__")] = path
+    graph = {}
+    for name, path in mods.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):   # function-level imports too
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tacl_jax"):
+                deps |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module
+                         for a in node.names}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name.startswith("tacl_jax")}
+        graph[name] = {d for d in deps if d in mods and d != name}
+    assert graph["tacl_jax.train.setup"] >= {"tacl_jax.train.objective"}   # the walk sees real edges
+    state, cycles = {}, []
+
+    def visit(u, path):
+        state[u] = "open"
+        for v in sorted(graph[u]):
+            if state.get(v) == "open":
+                cycles.append(path[path.index(v):] + [v])
+            elif v not in state:
+                visit(v, path + [v])
+        state[u] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, cycles
