@@ -29,6 +29,7 @@ setup(
         "safetensors>=0.4",
         "transformers>=4.40",
         "tokenizers>=0.19",
+        "huggingface_hub",  # Hub ids in init.hf_path / hf.load (tacl_jax.hf.resolve)
         "grain>=0.2.10",
         "tensorflow-datasets>=4.9.7",
         "array-record>=0.5",
