@@ -36,16 +36,21 @@ class DoesNotFit(RuntimeError):
 
 def _architecture(config):
     """``(architecture, special ids, note)`` for a config whose checkpoint may be absent here."""
-    from tacl_jax import tokens
+    from tacl_jax import hf, tokens
     from tacl_jax.models import BertConfig
 
     path = config.init.hf_path
-    if path and os.path.isdir(path):
-        return None, None, f"architecture from {path}/config.json"
+    # A folder, or a Hub id already in the Hugging Face cache: never a download from here.
+    folder = hf.local_folder(path) if path else None
+    if folder:
+        arch = hf.read_config(folder)
+        tok = hf.local_folder(config.init.tokenizer_path) if config.init.tokenizer_path else folder
+        special = tokens.run_special_ids(tok, arch.vocab_size) if tok else tokens.default_special_ids(arch.vocab_size)
+        return arch, special, f"architecture from {path} ({folder}/config.json)"
     arch = BertConfig(**dict(config.init.scratch))
     tok = config.init.tokenizer_path or path
     special = None if tok and os.path.isdir(tok) else tokens.default_special_ids(arch.vocab_size)
-    note = (f"init.hf_path={path!r} is not a folder here: architecture from init.scratch "
+    note = (f"init.hf_path={path!r} is not on this machine: architecture from init.scratch "
             f"({arch.num_hidden_layers} layers, hidden {arch.hidden_size}, vocab {arch.vocab_size})" if path
             else "architecture from init.scratch")
     return arch, special, note

@@ -159,6 +159,22 @@ def resolve(path_or_id: str, *, weights: bool = True) -> str:
     return _hub_snapshot(hub[0], hub[1], weights, hub_cache_dir(), _hub_offline())
 
 
+def local_folder(path_or_id: str) -> str | None:
+    """The folder of ``path_or_id`` when it is on this machine without any download (a folder, or a
+    Hub id whose config.json and tokenizer files are in the cache), else None. For tools that must
+    not reach the network (``tacl_jax.aot`` reading a preset's architecture)."""
+    local = os.path.expanduser(path_or_id)
+    if os.path.isdir(local):
+        return local
+    hub = _hub_id(path_or_id)
+    if hub is None:
+        return None
+    try:
+        return _hub_snapshot(hub[0], hub[1], False, hub_cache_dir(), True)
+    except FolderMissingError:
+        return None
+
+
 @functools.cache
 def _hub_snapshot(repo_id: str, revision: str | None, weights: bool, cache_dir: str, offline: bool) -> str:
     """The cache's snapshot folder of ``repo_id`` at ``revision``, downloaded first when online."""

@@ -201,3 +201,31 @@ def test_partly_cached_snapshot_says_so(cache, monkeypatch):
                                                     r"Hugging Face cache at .* \(HF_HUB_OFFLINE is set\): run "
                                                     r"`hf download org/partial`"):
         hf.load("org/partial")
+
+
+def test_local_folder_reads_the_cache_and_never_the_network(cache, folder, monkeypatch):
+    """hf.local_folder: a folder or a cached id -> its folder; an uncached id -> None, with the
+    network never tried even when online. tacl_jax.aot reads a cached id's architecture with it."""
+    import huggingface_hub
+
+    from tacl_jax import aot
+    from tacl_jax.config import load_config_file
+
+    snap = str(cache / "models--tiny-org--tiny-bert" / "snapshots" / COMMIT)
+    assert hf.local_folder(folder) == folder and hf.local_folder(REPO) == snap
+    hf._hub_snapshot.cache_clear()
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    real = huggingface_hub.snapshot_download
+
+    def cache_only(*args, **kwargs):
+        assert kwargs.get("local_files_only") is True, "local_folder reached for the network"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", cache_only)
+    assert hf.local_folder(REPO) == snap
+    assert hf.local_folder("tiny-org/absent-bert") is None and hf.local_folder("/no/such/dir") is None
+    root = pathlib.Path(__file__).resolve().parents[1]
+    c = load_config_file(str(root / "configs" / "tiny.py"), {"init.hf_path": REPO, "init.from_scratch": False})
+    arch, special, note = aot._architecture(c)
+    assert arch == hf.read_config(folder) and special == tokens.run_special_ids(folder, arch.vocab_size)
+    assert REPO in note and snap in note
