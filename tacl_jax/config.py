@@ -112,6 +112,11 @@ def default_config() -> ml_collections.ConfigDict:
     # 'compute': the frozen teacher's matmul kernels stored in the compute dtype (no per-step cast,
     # outputs bit-identical to 'float32'); 'float32'; 'bfloat16' (every leaf, embeddings too).
     c.tacl.teacher_param_dtype = "compute"
+    # '' = the teacher is the student's initial encoder (the paper). A Hugging Face BERT folder or Hub
+    # id = a teacher of its own, of any size with the student's tokenizer (bert-large-uncased
+    # teaching bert-base-uncased): the student learns a linear map into its hidden size
+    # (tacl_jax.train.teacher, tacl_jax.models.tacl_student), checkpointed, never exported.
+    c.tacl.teacher_hf_path = ""
 
     c.loss_weights = ml_collections.ConfigDict(dict(mlm=1.0, tacl=1.0, nsp=1.0))
     c.coco_lm = coco_lm_config()         # used when objective == 'coco_lm'
@@ -394,7 +399,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
     data_config.validate(c.data)
     if c.nsp and c.data.packing != "nsp_pairs" and c.data.source != "synthetic":
         raise ConfigError("config.nsp=True needs sentence pairs: set config.data.packing='nsp_pairs'")
-    if c.objective == "tacl" and not (c.init.hf_path or c.init.params_from) and not c.init.from_scratch:
+    if c.tacl.teacher_hf_path and c.objective != "tacl":
+        raise ConfigError(f"config.tacl.teacher_hf_path is set but objective is {c.objective!r}, which has no "
+                         "TaCL teacher: unset it, or use objective 'tacl'")
+    if c.objective == "tacl" and not (c.init.hf_path or c.init.params_from or c.tacl.teacher_hf_path) \
+            and not c.init.from_scratch:
         raise ConfigError("TaCL needs a pretrained teacher: set config.init.hf_path to a Hugging Face BERT "
                          "folder, or config.init.from_scratch=True to train against a random teacher "
                          "(meaningful only for tests and benchmarks)")
@@ -478,6 +487,7 @@ RESUME_RULES: dict[str, str] = {
     "masking": REFUSE,
     "tacl": REFUSE,
     "tacl.teacher_param_dtype": WARN,
+    "tacl.teacher_hf_path": PATH,
     "loss_weights": REFUSE,
     "coco_lm": REFUSE,
     "model": REFUSE,

@@ -7,8 +7,11 @@ Counted (a matmul of ``[m, k] × [k, n]`` is ``2·m·k·n`` FLOPs; element-wise 
 * MLM head per *predicted slot* (gathered: ``P`` slots per sequence, not ``L``):
   ``2·(d² + d·V)`` — the transform and the tied decoder;
 * student: forward + backward = 3 × forward (encoder + head);
-* teacher (TaCL): one encoder forward, no head, no backward.
-* TaCL's scores: ``2·L·d`` per anchor (the predicted slots: only their scores are computed;
+* teacher (TaCL): one encoder forward, no head, no backward (its own size when it is another
+  checkpoint, ``tacl.teacher_hf_path``);
+* the learned projection into a larger teacher's size ``d_t``: ``2·d·d_t`` per anchor, forward
+  and backward (3×);
+* TaCL's scores: ``2·L·d_t`` per anchor (``d_t`` the teacher's hidden size) (the predicted slots: only their scores are computed;
   ``anchors=L`` counts every position's, as the original computes them) forward and again
   backward (student side only; the teacher gets no gradient);
 * with the gathered last layer (``model.gather_last_layer``: the student's last layer only at
@@ -46,17 +49,20 @@ def mlm_head_flops(d: int, vocab: int) -> int:
 
 
 def sequence_flops(cfg, *, length: int, predictions: int, teacher: bool, gathered_last_layer: bool = False,
-                   anchors: int | None = None) -> dict[str, int]:
+                   anchors: int | None = None, teacher_cfg=None) -> dict[str, int]:
     """Model FLOPs of one train step's sequence of ``length`` tokens, by part (the module doc's
     formula; :func:`step_flops` is ``batch ×`` its ``total``). ``cfg``: anything with a
     ``BertConfig``'s ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``, ``vocab_size``;
     ``predictions``: MLM slots per sequence; ``anchors``: TaCL anchors per sequence whose scores
-    are computed (default ``predictions``).
+    are computed (default ``predictions``); ``teacher_cfg``: the teacher's architecture when it is
+    not the student's (then ``projection`` counts the student→teacher map).
 
     Parts (forward FLOPs unless said): ``layer_forward`` (one encoder layer at every position),
     ``student_forward`` (the encoder, gathered last layer or not, plus the MLM head),
     ``mlm_head_forward``, ``teacher_forward`` (0 without a teacher), ``tacl`` (the scores, forward
-    and backward; 0 without a teacher), ``total`` = 3 · student_forward + teacher_forward + tacl."""
+    and backward; 0 without a teacher), ``projection`` (forward and backward; 0 unless the
+    teacher's hidden size differs), ``total`` = 3 · student_forward + teacher_forward + tacl +
+    projection."""
     d, ffn, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     p = predictions
     layer = encoder_flops_per_token(1, d, ffn, length) * length
@@ -66,20 +72,27 @@ def sequence_flops(cfg, *, length: int, predictions: int, teacher: bool, gathere
         last = layer
     head = mlm_head_flops(d, cfg.vocab_size) * p
     student = (n - 1) * layer + last + head
-    teacher_fwd = n * layer if teacher else 0
-    tacl = 2 * 2 * length * d * (p if anchors is None else anchors) if teacher else 0
-    return dict(total=3 * student + teacher_fwd + tacl, student_forward=student, teacher_forward=teacher_fwd,
-                layer_forward=layer, mlm_head_forward=head, tacl=tacl)
+    t = teacher_cfg if teacher_cfg is not None else cfg
+    d_t, a = t.hidden_size, (p if anchors is None else anchors)
+    teacher_fwd = t.num_hidden_layers * encoder_flops_per_token(1, d_t, t.intermediate_size, length) * length \
+        if teacher else 0
+    tacl = 2 * 2 * length * d_t * a if teacher else 0
+    projection = 3 * 2 * d * d_t * a if teacher and d_t != d else 0
+    return dict(total=3 * student + teacher_fwd + tacl + projection, student_forward=student,
+                teacher_forward=teacher_fwd, layer_forward=layer, mlm_head_forward=head, tacl=tacl,
+                projection=projection)
 
 
 def step_flops(cfg, *, batch: int, length: int, predictions: int, teacher: bool,
-               gathered_last_layer: bool = False, anchors: int | None = None) -> float:
+               gathered_last_layer: bool = False, anchors: int | None = None, teacher_cfg=None) -> float:
     """Model FLOPs of one optimizer step over a global batch of ``batch × length`` tokens.
     ``cfg`` is a ``BertConfig``; ``predictions`` = MLM slots per sequence;
     ``gathered_last_layer``: the student's last layer only at those slots; ``anchors``: TaCL
-    anchors per sequence (default ``predictions``). See :func:`sequence_flops`."""
+    anchors per sequence (default ``predictions``); ``teacher_cfg``: a teacher of another
+    architecture (default ``cfg``). See :func:`sequence_flops`."""
     return float(batch * sequence_flops(cfg, length=length, predictions=predictions, teacher=teacher,
-                                        gathered_last_layer=gathered_last_layer, anchors=anchors)["total"])
+                                        gathered_last_layer=gathered_last_layer, anchors=anchors,
+                                        teacher_cfg=teacher_cfg)["total"])
 
 
 def peak_flops_of_kind(kind: str) -> float | None:

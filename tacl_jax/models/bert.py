@@ -119,6 +119,13 @@ class BertConfig:
         return dataclasses.replace(self, **kw)
 
 
+# The fields a run decides (``tacl_jax.train.setup.bert_config``: dtypes, kernels, dropout, layout)
+# rather than a checkpoint's config.json; heads aside, the rest is the architecture. A second model
+# of the run (a teacher of another size) takes these from the student.
+NUMERIC_FIELDS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "dropout_bits", "dtype", "param_dtype",
+                  "vocab_multiple", "remat_policy", "scan_layers", "kernels")
+
+
 @flax.struct.dataclass
 class BertOutput:
     """``last_hidden_state [B, L, H]``; ``mlm_logits`` ``[B, L, V]`` or ``[B, P, V]`` at gathered

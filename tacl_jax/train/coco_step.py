@@ -344,6 +344,12 @@ class CocoObjective:
     def teacher_model(self, model, step_cfg) -> None:
         return None
 
+    def has_own_teacher(self, config) -> bool:
+        return False
+
+    def teacher_params(self, config, teacher_model) -> dict:
+        raise ValueError("COCO-LM has no teacher")
+
     def train_step(self, model, step_cfg, tx, schedule, teacher_model) -> Callable:
         return make_coco_train_step(model, step_cfg, tx, schedule)
 

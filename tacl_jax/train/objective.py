@@ -34,7 +34,8 @@ class Objective(Protocol):
     # Where the BERT that is loaded from ``init.hf_path`` and exported to a Hugging Face folder
     # sits in the student's module and parameter tree: None = the student is that BERT; a name =
     # that attribute of the module and key of the params (COCO-LM's ``main``). The rest of the
-    # tree starts from the seed.
+    # tree starts from the seed. A student module may declare its own ``bert_at`` (TaCL's
+    # ``TaclStudent``, with a teacher of another size): see :func:`bert_at`.
     bert_at: str | None
     console_keys: tuple[str, ...]          # the metrics the console line shows, in order, when present
 
@@ -47,8 +48,14 @@ class Objective(Protocol):
         ``ConfigError`` naming the fix for settings the objective cannot run."""
 
     def teacher_model(self, model, step_cfg) -> Any | None:
-        """The frozen teacher's module (its params: the initial student's ``embeddings`` and
-        ``encoder``), or None without a teacher."""
+        """The frozen teacher's module, or None without a teacher."""
+
+    def has_own_teacher(self, config) -> bool:
+        """Whether the teacher is a model of its own (TaCL's ``tacl.teacher_hf_path``) rather than
+        the initial student's ``embeddings`` and ``encoder``."""
+
+    def teacher_params(self, config, teacher_model) -> dict:
+        """The teacher's own params (host numpy), asked only when ``has_own_teacher``."""
 
     def train_step(self, model, step_cfg, tx, schedule: Callable, teacher_model) -> Callable:
         """The un-jitted train step (``tacl_jax.train.update.train_step_from``)."""
@@ -75,14 +82,22 @@ def get(name: str) -> Objective:
     return getattr(importlib.import_module(module), attr)
 
 
+def bert_at(objective: Objective, model) -> str | None:
+    """Where the Hugging Face BERT sits in the student ``model``: the module's own ``bert_at`` when
+    it declares one, else the objective's."""
+    return getattr(model, "bert_at", objective.bert_at)
+
+
 def bert_of(objective: Objective, model):
     """The BERT module inside ``model`` that is loaded from and exported to Hugging Face."""
-    return model if objective.bert_at is None else getattr(model, objective.bert_at)
+    at = bert_at(objective, model)
+    return model if at is None else getattr(model, at)
 
 
-def bert_params_of(objective: Objective, params):
-    """That BERT's params inside the student's ``params``."""
-    return params if objective.bert_at is None else params[objective.bert_at]
+def bert_params_of(objective: Objective, model, params):
+    """That BERT's params inside the student's ``params`` (of the student ``model``)."""
+    at = bert_at(objective, model)
+    return params if at is None else params[at]
 
 
-__all__ = ["REGISTRY", "Objective", "UnknownObjectiveError", "get", "bert_of", "bert_params_of"]
+__all__ = ["REGISTRY", "Objective", "UnknownObjectiveError", "get", "bert_at", "bert_of", "bert_params_of"]

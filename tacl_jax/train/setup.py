@@ -170,15 +170,22 @@ def abstract_key(sharding=None) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=sharding)
 
 
-def state_shardings(model, tx, mesh, rules, max_len: int):
-    """``(abstract TrainState with shardings, TrainState of shardings)`` without allocating."""
-    init_params = _init_params_fn(model, max_len)
+def param_shardings(model, mesh, rules, max_len: int):
+    """``(abstract params, their shardings)`` of ``model`` under the logical-axis ``rules``, without
+    allocating."""
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        abstract_boxed = jax.eval_shape(init_params, abstract_key())
+        abstract_boxed = jax.eval_shape(_init_params_fn(model, max_len), abstract_key())
         param_sh = parallel.logical_shardings(abstract_boxed, mesh, rules)
         # Plain unboxing: ``nn.meta.unbox`` would place sharding constraints on abstract values.
         abstract_params = jax.tree.map(lambda x: x.unbox(apply_constraint=False), abstract_boxed,
                                        is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+    return abstract_params, param_sh
+
+
+def state_shardings(model, tx, mesh, rules, max_len: int):
+    """``(abstract TrainState with shardings, TrainState of shardings)`` without allocating."""
+    abstract_params, param_sh = param_shardings(model, mesh, rules, max_len)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         abstract_opt = jax.eval_shape(tx.init, abstract_params)
     repl = parallel.replicated(mesh)
     # Outside the mesh: optax inits placeholders eagerly (scalar counters), which a compile-only
@@ -339,20 +346,32 @@ class Program:
         ``hf_params()``); the rest of the student (COCO-LM's generator and heads) from the seed."""
         c = self.config
         state, _ = create_state(self.model, self.tx, self.mesh, self.rules, c.seed, c.max_len, bert_params,
-                                at=self.objective.bert_at)
+                                at=objective_lib.bert_at(self.objective, self.model))
         return state
 
     def create_teacher(self, init_params=None):
-        """The frozen teacher (sharded), or None without one: the student's initial encoder, from
+        """The frozen teacher (sharded), or None without one: the objective's own teacher params
+        when it has them (TaCL's ``tacl.teacher_hf_path``), else the student's initial encoder, from
         ``init_params`` (host numpy: ``hf_params()`` or another run's params) or, without them, the
         seed's initialisation (a pure function of the seed, so a resumed run rebuilds it)."""
         if self.teacher_model is None:
             return None
+        if not self.teacher_from_student:
+            own = self.objective.teacher_params(self.config, self.teacher_model)
+            teacher, _ = create_teacher(parallel.place(own, self.teacher_shardings), self.teacher_shardings,
+                                        self.teacher_dtype, self.model.config.dtype)
+            return teacher
         c = self.config
         init = initial_params(self.model, self.mesh, self.rules, c.seed, c.max_len, self.state_shardings.params,
                               init_params)
         teacher, _ = create_teacher(init, self.state_shardings.params, self.teacher_dtype, self.model.config.dtype)
         return teacher
+
+    @property
+    def teacher_from_student(self) -> bool:
+        """Whether the teacher is built from the student's initial params (``create_teacher``'s
+        ``init_params``); False without a teacher or with one of its own."""
+        return self.teacher_model is not None and not self.objective.has_own_teacher(self.config)
 
     # --- what is exported
 
@@ -363,7 +382,7 @@ class Program:
 
     def export_params(self, params):
         """That BERT's params inside the student's ``params``."""
-        return objective_lib.bert_params_of(self.objective, params)
+        return objective_lib.bert_params_of(self.objective, self.model, params)
 
 
 def _batch_spec(config, step_cfg) -> dict[str, tuple[tuple[int, ...], Any]]:
@@ -405,8 +424,10 @@ def build_program(config, devices: Sequence[Any] | None = None, *, architecture:
     teacher_dtype = config.tacl.teacher_param_dtype
     teacher_sh = abstract_teacher = None
     if teacher_model is not None:
-        teacher_sh = strip_heads(state_sh.params)
-        shapes = jax.eval_shape(_teacher_cast(teacher_dtype, model.config.dtype), strip_heads(abstract_state.params))
+        # The teacher module's own params under the same rules: the student's encoder shardings when
+        # it is the student's architecture, a larger teacher sharded the same way otherwise.
+        abstract_teacher_params, teacher_sh = param_shardings(teacher_model, mesh, rules, config.max_len)
+        shapes = jax.eval_shape(_teacher_cast(teacher_dtype, model.config.dtype), abstract_teacher_params)
         abstract_teacher = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                         shapes, teacher_sh)
     train_step = objective.train_step(model, step_cfg, tx, schedule, teacher_model)
@@ -432,4 +453,4 @@ def build_program(config, devices: Sequence[Any] | None = None, *, architecture:
 
 __all__ = ["Target", "Program", "build_program", "run_devices", "bert_config", "model_from_config", "hf_params_for",
            "build_model", "strip_heads", "check_batch_arithmetic", "check_model", "host_rows",
-           "state_shardings", "create_state", "create_teacher", "initial_params"]
+           "param_shardings", "state_shardings", "create_state", "create_teacher", "initial_params"]

@@ -38,16 +38,17 @@ def hold_workdir(workdir: str) -> workdir_lib.WorkdirLock:
 def initial_state(config, prog, ckpt: checkpoint.CheckpointManager, workdir: str):
     """``(state, data_state | None, teacher_init | None)``: this workdir's latest good checkpoint (a
     changed config refused or warned about first), else ``init.hf_path``, ``init.params_from`` or
-    from scratch. ``teacher_init``: host params the teacher starts from (None: the seed's, or no
-    teacher), read only when the program has a teacher."""
+    from scratch. ``teacher_init``: host params the teacher starts from (None: the seed's, no teacher,
+    or a teacher of its own), read only when the teacher is built from the student's."""
     abstract_state = prog.abstract_state
-    has_teacher = prog.teacher_model is not None
+    # A teacher built from the student's initial params (none, or one of its own, needs none).
+    from_student = prog.teacher_from_student
     latest = ckpt.latest_step()
     if latest is not None:
         _check_config_unchanged(ckpt, latest, config, workdir)
         step, state, data_state, saved = ckpt.restore_latest(abstract_state)
         log.info("start-up: resuming from %s/%d", ckpt.directory, step)
-        if not has_teacher:
+        if not from_student:
             return state, data_state, None
         # The teacher of a resumed run is re-read from where it came from (checkpoint docstring):
         # init.hf_path, or the saved run's init.params_from at the step the fresh start recorded.
@@ -59,9 +60,9 @@ def initial_state(config, prog, ckpt: checkpoint.CheckpointManager, workdir: str
         return state, data_state, prog.hf_params()
     if config.init.hf_path:
         log.info("start-up: no checkpoint in %s; student%s from the Hugging Face checkpoint %s",
-                 ckpt.directory, " and teacher" if has_teacher else "", config.init.hf_path)
+                 ckpt.directory, " and teacher" if from_student else "", config.init.hf_path)
         hf_params = prog.hf_params()
-        return prog.create_state_from_bert(hf_params), None, hf_params
+        return prog.create_state_from_bert(hf_params), None, hf_params if from_student else None
     if config.init.params_from:
         step, params = _params_from(config.init.params_from, config.init.params_from_step, config, abstract_state)
         log.info("start-up: no checkpoint in %s; params from %s step %d (optimizer state and step reset)",

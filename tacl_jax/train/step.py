@@ -8,6 +8,9 @@
 * ``teacher_params``: frozen, a separate argument, never donated; its forward is deterministic
   (unless ``teacher_dropout``, the original's bug kept as an option) on the *original* ids and
   sits under ``stop_gradient``, so XLA keeps none of its activations. None for ``mlm``.
+  By default the teacher is the student's initial encoder; with ``tacl.teacher_hf_path`` another
+  checkpoint (``tacl_jax.train.teacher``), and the student a ``TaclStudent`` whose learned
+  projection maps its anchors into the teacher's hidden size before the contrastive loss.
 
 Evaluation (``make_eval_step``) is the same loss function with dropout off and a fixed mask key.
 """
@@ -23,7 +26,9 @@ import optax
 
 from tacl_jax.flops import step_flops
 from tacl_jax.models import BertConfig, BertModel
+from tacl_jax.models.tacl_student import TaclStudent
 from tacl_jax.objectives import Masked, mask_tokens, objective_sums, ratios, total_loss
+from tacl_jax.train import teacher as teacher_lib
 from tacl_jax.train.update import accumulate, train_step_from
 
 
@@ -76,9 +81,11 @@ def step_config_from(config, special: dict[str, int]) -> StepConfig:
         weights=tuple(sorted(dict(config.loss_weights).items())), grad_accum_steps=config.grad_accum_steps)
 
 
-def teacher_of(model: BertModel) -> BertModel:
-    """The teacher is the same module without heads: TaCL only reads its last hidden state."""
-    return BertModel(model.config.replace(with_mlm_head=False, with_pooler=False, with_nsp_head=False))
+def teacher_of(model: BertModel | TaclStudent) -> BertModel:
+    """The teacher's module, without heads (TaCL only reads its last hidden state): the student's
+    architecture, or a ``TaclStudent``'s separate teacher."""
+    cfg = model.teacher if isinstance(model, TaclStudent) else model.config
+    return BertModel(cfg.replace(with_mlm_head=False, with_pooler=False, with_nsp_head=False))
 
 
 def student_forward(model: BertModel, step_cfg: StepConfig, params, masked_ids: jax.Array,
@@ -136,8 +143,12 @@ def make_loss_fn(model: BertModel, sc: StepConfig, teacher_model: BertModel | No
         out = student_forward(model, sc, params, mb["masked_ids"], mb["attention_mask"], mb["token_type_ids"],
                               mb["positions"], deterministic=deterministic, padded_vocab=True,
                               rngs={"dropout": d_student})
+        student_hidden = out.last_hidden_state
+        if teacher_hidden is not None and isinstance(model, TaclStudent):
+            # Into the teacher's hidden size (identity when equal); [B, P or L, H_t].
+            student_hidden = model.apply({"params": params}, student_hidden, method=TaclStudent.project)
         sums = objective_sums(
-            mlm_logits=out.mlm_logits, masked=_masked_from(mb), student_hidden=out.last_hidden_state,
+            mlm_logits=out.mlm_logits, masked=_masked_from(mb), student_hidden=student_hidden,
             teacher_hidden=teacher_hidden, key_mask=mb["attention_mask"] if sc.mask_pad_keys else None,
             temperature=sc.temperature, nsp_logits=out.nsp_logits if sc.nsp else None,
             nsp_labels=mb.get("next_sentence_label"), student_at_slots=sc.gather_last_layer,
@@ -204,8 +215,9 @@ class TaclObjective:
     def __init__(self, name: str):
         self.name = name
 
-    def build_model(self, config, bert: BertConfig) -> BertModel:
-        del config
+    def build_model(self, config, bert: BertConfig) -> BertModel | TaclStudent:
+        if teacher_lib.teacher_path(config):      # a teacher of its own: the student gets the projection
+            return TaclStudent(BertModel(bert), teacher_lib.teacher_config(config, bert))
         return BertModel(bert)
 
     def step_config(self, config, special_ids: dict[str, int]) -> StepConfig:
@@ -213,6 +225,13 @@ class TaclObjective:
 
     def teacher_model(self, model: BertModel, step_cfg: StepConfig) -> BertModel | None:
         return teacher_of(model) if step_cfg.uses_teacher else None
+
+    def has_own_teacher(self, config) -> bool:
+        return bool(teacher_lib.teacher_path(config))
+
+    def teacher_params(self, config, teacher_model: BertModel) -> dict:
+        """The separate teacher's params, from ``tacl.teacher_hf_path``."""
+        return teacher_lib.teacher_params(config, teacher_model.config, config.seed)
 
     def train_step(self, model, step_cfg, tx, schedule, teacher_model) -> Callable:
         return make_train_step(model, step_cfg, tx, schedule, teacher_model)
@@ -226,7 +245,8 @@ class TaclObjective:
     def flops(self, model: BertModel, step_cfg: StepConfig, *, batch: int, length: int) -> float:
         return step_flops(model.config, batch=batch, length=length, predictions=step_cfg.max_predictions,
                           teacher=step_cfg.uses_teacher, gathered_last_layer=step_cfg.gather_last_layer,
-                          anchors=length if step_cfg.anchors == "all" else None)
+                          anchors=length if step_cfg.anchors == "all" else None,
+                          teacher_cfg=model.teacher if isinstance(model, TaclStudent) else None)
 
 
 TACL, MLM = TaclObjective("tacl"), TaclObjective("mlm")
