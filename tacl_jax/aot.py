@@ -56,6 +56,26 @@ def _architecture(config):
     return arch, special, note
 
 
+def _local_teacher(config):
+    """``config`` with ``tacl.teacher_hf_path`` (a teacher of its own) pointing at a local folder:
+    the architecture is read from its config.json, never downloaded. Raises ``ConfigError`` with
+    the fix when it is not on this machine."""
+    from tacl_jax import hf
+    from tacl_jax.errors import ConfigError
+
+    path = config.tacl.get("teacher_hf_path", "") if config.objective == "tacl" else ""
+    if not path:
+        return config
+    folder = hf.local_folder(path)
+    if folder is None:
+        raise ConfigError(f"tacl.teacher_hf_path={path!r} is not on this machine: the compile needs its "
+                          f"config.json (its architecture). Run `hf download {path} config.json` on a machine "
+                          "with access, or point --config.tacl.teacher_hf_path at a folder holding it")
+    config = config.copy_and_resolve_references()
+    config.tacl.teacher_hf_path = folder
+    return config
+
+
 def compile_report(config, topology_name: str, config_name: str = "config") -> dict[str, Any]:
     """Build, lower and compile the step of ``config`` for the named topology; the report (a
     dict of the JSON keys). Raises ``DoesNotFit`` when XLA refuses the program as too large."""
@@ -69,6 +89,7 @@ def compile_report(config, topology_name: str, config_name: str = "config") -> d
         raise ValueError(f"unknown topology {topology_name!r}; known: {', '.join(topology.TOPOLOGIES)}")
     devices = topology.compile_only_devices(topology_name)
     arch, special, arch_note = _architecture(config)
+    config = _local_teacher(config)
     t0 = time.perf_counter()
     prog = setup.build_program(config, devices, architecture=arch, special_ids=special)
     lowered = prog.lower()
@@ -108,7 +129,11 @@ def compile_report(config, topology_name: str, config_name: str = "config") -> d
         "config": config_name, "topology": topology_name, "accelerator_type": topo.accelerator_type,
         "platform": prog.target.platform, "device_kind": prog.target.device_kind, "devices": n,
         "hosts": prog.target.num_processes, "mesh": {k: int(v) for k, v in prog.mesh.shape.items()},
-        "architecture": arch_note, "compute_dtype": c.dtype, "kernels": c.kernels, "scan_layers": c.scan_layers,
+        "architecture": arch_note,
+        "teacher": None if prog.teacher_model is None or prog.teacher_from_student else
+        f"{config.tacl.teacher_hf_path}: {prog.teacher_model.config.num_hidden_layers} layers, hidden "
+        f"{prog.teacher_model.config.hidden_size}",
+        "compute_dtype": c.dtype, "kernels": c.kernels, "scan_layers": c.scan_layers,
         "remat_policy": c.remat_policy, "global_batch_size": config.global_batch_size, "max_len": config.max_len,
         "grad_accum_steps": config.grad_accum_steps,
         "rows_per_host": {str(p): len(r) for p, r in setup.host_rows(prog.mesh, config.global_batch_size).items()},
@@ -148,6 +173,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"{r['hosts']} host(s)); mesh {r['mesh']}",
         f"  model: {r['architecture']}; compute {r['compute_dtype']}, kernels {r['kernels']}, "
         f"scan_layers {r['scan_layers']}, remat {r['remat_policy']}",
+        *([f"  teacher: {r['teacher']}"] if r.get("teacher") else []),
         f"  batch {r['global_batch_size']} × L {r['max_len']} ({r['grad_accum_steps']} micro-batch(es)); rows per "
         f"host: {r['rows_per_host']}",
         f"  memory per device: arguments {gib(r['argument_bytes'])}, outputs {gib(r['output_bytes'])} "

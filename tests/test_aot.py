@@ -137,3 +137,30 @@ def test_the_loop_runs_the_builders_program(tmp_path, monkeypatch):
     prog = built[0]
     assert prog.target.platform == "cpu" and prog.model.config.kernels == "cpu"
     assert prog.model.config.dtype == precision.resolve_compute_dtype(c.model.dtype, "cpu")
+
+
+@pytest.mark.slow
+def test_a_larger_teacher_compiles_for_a_v4_8_and_is_counted(tmp_path):
+    """A tiny student (32 wide) with a teacher of its own (48 wide, 3 layers) compiles for a v4-8:
+    the report names the teacher, the traced matmuls equal ``tacl_jax.flops`` (teacher and
+    projection counted), and it fits. An uncached Hub id as the teacher is refused with the fix."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    from tacl_jax import hf
+    from tacl_jax.errors import ConfigError
+    from tacl_jax.models import BertConfig, BertModel
+
+    cfg = BertConfig(vocab_size=512, hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
+                     intermediate_size=96, max_position_embeddings=64)
+    model = BertModel(cfg)
+    params = nn.meta.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+    hf.save(model, params, str(tmp_path / "teacher"), head="none")
+    c = _tiny(**{"model.dtype": "auto", "global_batch_size": 16, "tacl.teacher_hf_path": str(tmp_path / "teacher")})
+    r = aot.compile_report(c, "v4-8", "tiny")
+    assert r["teacher"].endswith("3 layers, hidden 48")
+    assert abs(r["matmul_flops_ratio"] - 1.0) < 0.05, r["matmul_flops_ratio"]
+    assert r["fits"] and "teacher:" in aot.format_report(r)
+    with pytest.raises(ConfigError, match="is not on this machine.*hf download org/not-cached-bert"):
+        aot.compile_report(_tiny(**{"tacl.teacher_hf_path": "org/not-cached-bert"}), "v4-8", "tiny")
