@@ -77,7 +77,46 @@ _INT_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_he
              "max_position_embeddings", "type_vocab_size")
 _FLOAT_KEYS = ("layer_norm_eps", "hidden_dropout_prob", "attention_probs_dropout_prob", "initializer_range")
 # Buffers and tied copies that carry no information of their own.
-_IGNORED = ("embeddings.position_ids", "cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
+_IGNORED = ("embeddings.position_ids", "embeddings.token_type_ids", "cls.predictions.decoder.weight",
+            "cls.predictions.decoder.bias")
+# The checkpoint families: the prefix of the encoder in the task models, the names of their MLM
+# head's tensors (HF name -> BERT's ``cls.predictions.*`` name, which the reader and writer below
+# speak), the head tensors that are tied copies, transformers' classes, and the config.json
+# defaults of the family's config class. RoBERTa and ELECTRA encoders use BERT's tensor names
+# under their prefix (ELECTRA adds ``embeddings_project``).
+FAMILIES: dict[str, dict[str, Any]] = {
+    "bert": dict(prefix="bert.", head={}, tied=(), mlm="BertForMaskedLM", base="BertModel",
+                 defaults={}),
+    "roberta": dict(prefix="roberta.",
+                    head={"lm_head.dense": "cls.predictions.transform.dense",
+                          "lm_head.layer_norm": "cls.predictions.transform.LayerNorm",
+                          "lm_head.bias": "cls.predictions.bias"},
+                    tied=("lm_head.decoder.weight", "lm_head.decoder.bias"),
+                    mlm="RobertaForMaskedLM", base="RobertaModel",
+                    defaults=dict(pad_token_id=1, layer_norm_eps=1e-5, type_vocab_size=1,
+                                  max_position_embeddings=514)),
+    "electra": dict(prefix="electra.",
+                    head={"generator_predictions.dense": "cls.predictions.transform.dense",
+                          "generator_predictions.LayerNorm": "cls.predictions.transform.LayerNorm",
+                          "generator_lm_head.bias": "cls.predictions.bias"},
+                    tied=("generator_lm_head.weight",),
+                    mlm="ElectraForMaskedLM", base="ElectraModel", defaults={}),
+}
+
+
+def architecture_name(cfg: BertConfig, head: str) -> str:
+    """transformers' class an export of ``cfg`` with ``head`` ('mlm' | 'none') loads as."""
+    fam = FAMILIES[cfg.model_type]
+    return fam["mlm"] if head == "mlm" else fam["base"]
+
+
+def _rename_head(name: str, table: Mapping[str, str]) -> str:
+    """``name`` with its leading module path replaced by ``table``'s entry (whole path parts only:
+    ``lm_head.bias`` is not a prefix of ``lm_head.bias_x``)."""
+    for src, dst in table.items():
+        if name == src or name.startswith(src + "."):
+            return dst + name[len(src):]
+    return name
 
 
 # ----------------------------------------------------------------------------- reading
@@ -259,7 +298,8 @@ def _read_json(fn: str) -> Any:
 
 def read_config(path: str) -> BertConfig:
     """``path/config.json`` -> ``BertConfig`` (architecture fields only; numerics keep defaults).
-    ``path``: a folder or a Hub id (``resolve``)."""
+    ``path``: a folder or a Hub id (``resolve``). ``model_type`` 'bert', 'roberta' or 'electra'
+    (``FAMILIES``); another raises ``FolderError`` naming the supported ones."""
     path = resolve(path)
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
@@ -268,21 +308,35 @@ def read_config(path: str) -> BertConfig:
     raw = _read_json(cfg_file)
     if not isinstance(raw, dict):
         raise FolderError(_damaged(cfg_file, f"a JSON {type(raw).__name__}, not an object of settings"))
-    if raw.get("model_type", "bert") != "bert":
-        raise FolderError(f"{cfg_file}: model_type {raw.get('model_type')!r} is not 'bert'; "
-                         "tacl_jax implements the BERT architecture only")
+    model_type = raw.get("model_type", "bert")
+    if model_type not in FAMILIES:
+        raise FolderError(f"{cfg_file}: model_type {model_type!r} is not supported; tacl_jax reads "
+                          f"{', '.join(repr(f) for f in FAMILIES)} checkpoints (BERT-architecture encoders): "
+                          "give one of those, or convert the checkpoint with transformers first")
     if raw.get("hidden_act", "gelu") != "gelu":
         raise FolderError(f"{cfg_file}: hidden_act {raw['hidden_act']!r} is not supported; "
                          "tacl_jax's BERT uses the exact erf GELU ('gelu')")
     if raw.get("position_embedding_type", "absolute") != "absolute":
         raise FolderError(f"{cfg_file}: only absolute position embeddings are supported")
-    for k in _INT_KEYS:  # bool is an int in Python but never a size
+    for k in _INT_KEYS + ("embedding_size",):  # bool is an int in Python but never a size
         if k in raw and (isinstance(raw[k], bool) or not isinstance(raw[k], int) or raw[k] < 1):
             raise FolderError(f"{cfg_file}: {k} is {raw[k]!r}, expected a positive integer")
     for k in _FLOAT_KEYS:
         if k in raw and (isinstance(raw[k], bool) or not isinstance(raw[k], (int, float))):
             raise FolderError(f"{cfg_file}: {k} is {raw[k]!r}, expected a number")
-    return BertConfig(**{k: raw[k] for k in _CONFIG_KEYS if k in raw})
+    fields = {k: raw[k] for k in _CONFIG_KEYS if k in raw}
+    # transformers' defaults for the keys a family's config.json may omit (its config class fills
+    # them in on load): RoBERTa's pad 1 and eps 1e-5 (its tokenizer's <pad> and fairseq's norm),
+    # ELECTRA's embedding_size 128.
+    fields = {**FAMILIES[model_type]["defaults"], **fields}
+    if model_type == "electra":
+        e = raw.get("embedding_size", 128)
+        # ElectraModel has embeddings_project only when the widths differ; equal widths = no projection.
+        fields["embedding_size"] = None if e == fields.get("hidden_size", BertConfig.hidden_size) else e
+    try:
+        return BertConfig(model_type=model_type, **fields)
+    except ValueError as e:
+        raise FolderError(f"{cfg_file}: {e}") from None
 
 
 def _load_safetensors(fn: str) -> dict[str, np.ndarray]:
@@ -389,18 +443,26 @@ def state_dict_to_params(sd: Mapping[str, np.ndarray], cfg: BertConfig,
     not have (``pooler``, ``mlm``, ``nsp``). The vocabulary tensors (word embeddings ``[V, H]``,
     MLM bias ``[V]``) must have ``V = cfg.vocab_size`` rows; they are zero-padded to
     ``[cfg.padded_vocab_size, ...]``. ``source`` names the checkpoint in error messages."""
+    fam = FAMILIES[cfg.model_type]
     sd = dict(sd)
-    prefix = "bert." if any(k.startswith("bert.") for k in sd) else ""
+    prefix = fam["prefix"] if any(k.startswith(fam["prefix"]) for k in sd) else ""
     if prefix + "embeddings.word_embeddings.weight" not in sd:
-        raise FolderError(f"{source} is not a BERT checkpoint: no embeddings.word_embeddings.weight "
-                         f"(found e.g. {sorted(sd)[:5]})")
-    for k in list(sd):  # strip the prefix from the encoder tensors; heads keep their names
-        if k.startswith(prefix + "embeddings.") or k.startswith(prefix + "encoder.") or k.startswith(prefix + "pooler."):
+        others = [f for f, v in FAMILIES.items() if f != cfg.model_type and any(k.startswith(v["prefix"]) for k in sd)]
+        hint = (f"; its tensors are named like a {others[0]!r} checkpoint: fix config.json's model_type"
+                if others else "")
+        raise FolderError(f"{source} is not a {cfg.model_type} checkpoint: no {prefix}embeddings.word_embeddings."
+                          f"weight (found e.g. {sorted(sd)[:5]}){hint}")
+    for k in list(sd):  # strip the prefix from the encoder tensors; heads get BERT's names
+        if k.startswith(tuple(prefix + m for m in ("embeddings.", "encoder.", "pooler.", "embeddings_project."))):
             sd[k[len(prefix):]] = sd.pop(k)
+        elif fam["head"]:
+            sd[_rename_head(k, fam["head"])] = sd.pop(k)
+    for k in fam["tied"]:  # the decoder is tied to the word embeddings (and its bias to the head's)
+        sd.pop(k, None)
     _check_vocab_rows(sd["embeddings.word_embeddings.weight"], "embeddings.word_embeddings.weight", cfg, source)
     if "cls.predictions.bias" in sd:
         _check_vocab_rows(sd["cls.predictions.bias"], "cls.predictions.bias", cfg, source)
-    nh, hd, h = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
+    nh, hd, h, e = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size, cfg.embed_size
     emb = {
         "word_embeddings": {"embedding": _pad_rows(sd.pop("embeddings.word_embeddings.weight"),
                                                    cfg.padded_vocab_size)},
@@ -408,10 +470,15 @@ def state_dict_to_params(sd: Mapping[str, np.ndarray], cfg: BertConfig,
         "token_type_embeddings": {"embedding": sd.pop("embeddings.token_type_embeddings.weight")},
         "LayerNorm": _norm(sd, "embeddings.LayerNorm"),
     }
-    if emb["word_embeddings"]["embedding"].shape[1] != h:
+    if emb["word_embeddings"]["embedding"].shape[1] != e:
         raise FolderError(f"{source}: embeddings.word_embeddings.weight is "
                           f"{emb['word_embeddings']['embedding'].shape[1]} wide but config.json says "
-                          f"hidden_size {h}")
+                          f"{'embedding_size' if e != h else 'hidden_size'} {e}")
+    if e != h:  # ELECTRA's factorised embeddings: E -> H after the embeddings' LayerNorm
+        if "embeddings_project.weight" not in sd:
+            raise FolderError(f"{source} has no embeddings_project although config.json says embedding_size "
+                              f"{e} != hidden_size {h}; correct config.json or re-export the checkpoint")
+        emb["embeddings_project"] = _linear(sd, "embeddings_project")
     enc = {}
     for i in range(cfg.num_hidden_layers):
         p = f"encoder.layer.{i}."
@@ -451,8 +518,9 @@ def state_dict_to_params(sd: Mapping[str, np.ndarray], cfg: BertConfig,
         missing.append("nsp")
     leftover = [k for k in sd if k not in _IGNORED and not k.endswith("position_ids")]
     if leftover:
-        log.warning("ignored %d tensors of the checkpoint that BERT does not use: %s",
-                    len(leftover), ", ".join(sorted(leftover)[:8]))
+        # e.g. ElectraForPreTraining's discriminator_predictions (replaced-token detection head)
+        log.warning("ignored %d tensors of the checkpoint that tacl_jax's %s does not use: %s",
+                    len(leftover), cfg.model_type, ", ".join(sorted(leftover)[:8]))
     return params, missing
 
 
@@ -496,8 +564,14 @@ def load(path: str, *, seed: int = 0, **overrides) -> tuple[BertModel, dict]:
         for part in to_init:
             for n in names[part]:
                 params[n] = jax.tree.map(np.asarray, fresh[n])
-        log.info("%s has no %s head%s: initialised from seed %d", given, ", ".join(to_init),
-                 "s" if len(to_init) > 1 else "", seed)
+        why = ""
+        if cfg.model_type == "electra" and "mlm" in to_init:
+            # The usual ELECTRA init: a discriminator (ElectraModel/ElectraForPreTraining) was
+            # trained by replaced-token detection and never had a masked-LM head.
+            why = (" (an ELECTRA discriminator has no MLM head: the generator-style head H -> "
+                   f"{cfg.embed_size} -> tied decoder starts from the seed)")
+        log.info("%s has no %s head%s: initialised from seed %d%s", given, ", ".join(to_init),
+                 "s" if len(to_init) > 1 else "", seed, why)
     for part, name in (("pooler", "pooler"), ("nsp", "nsp")):
         if not wanted[part]:
             params.pop(name, None)
@@ -522,7 +596,9 @@ def params_to_state_dict(params: Mapping, cfg: BertConfig, head: str = "mlm") ->
     ``BertForMaskedLM`` (``head="mlm"``) or ``BertModel`` (``head="none"``). Vocabulary padding is
     stripped."""
     if head not in ("mlm", "none"):
-        raise ValueError(f"head={head!r}: use 'mlm' (BertForMaskedLM) or 'none' (BertModel)")
+        raise ValueError(f"head={head!r}: use 'mlm' ({architecture_name(cfg, 'mlm')}) or 'none' "
+                         f"({architecture_name(cfg, 'none')})")
+    fam = FAMILIES[cfg.model_type]
     p = jax.tree.map(_host, nn.meta.unbox(dict(params)))
     scanned = SCAN_NAME in p["encoder"]
     if scanned != cfg.scan_layers:
@@ -532,7 +608,7 @@ def params_to_state_dict(params: Mapping, cfg: BertConfig, head: str = "mlm") ->
     if scanned:
         p = unstack_layers(p)
     v = cfg.vocab_size
-    pre = "bert." if head == "mlm" else ""
+    pre = fam["prefix"] if head == "mlm" else ""
     sd: dict[str, np.ndarray] = {}
 
     def lin(name, tree):
@@ -549,6 +625,8 @@ def params_to_state_dict(params: Mapping, cfg: BertConfig, head: str = "mlm") ->
     sd[pre + "embeddings.position_embeddings.weight"] = e["position_embeddings"]["embedding"]
     sd[pre + "embeddings.token_type_embeddings.weight"] = e["token_type_embeddings"]["embedding"]
     norm(pre + "embeddings.LayerNorm", e["LayerNorm"])
+    if "embeddings_project" in e:
+        lin(pre + "embeddings_project", e["embeddings_project"])
     for i in range(cfg.num_hidden_layers):
         layer, q = p["encoder"][f"layer_{i}"], f"{pre}encoder.layer.{i}."
         for n in ("query", "key", "value"):
@@ -559,23 +637,39 @@ def params_to_state_dict(params: Mapping, cfg: BertConfig, head: str = "mlm") ->
         lin(q + "output.dense", layer["output"])
         norm(q + "output.LayerNorm", layer["output_norm"])
     if head == "none":
-        if "pooler" not in p:
-            raise ValueError("this model has no pooler; BertModel needs one (build with with_pooler=True)")
-        lin("pooler.dense", p["pooler"])
+        if cfg.model_type != "electra":  # ElectraModel has no pooler: ours (if any) is not written
+            if "pooler" not in p:
+                raise ValueError(f"this model has no pooler; {fam['base']} needs one (build with "
+                                 "with_pooler=True)")
+            lin("pooler.dense", p["pooler"])
     else:
         if "mlm_bias" not in p:
             raise ValueError("this model has no MLM head; export with head='none'")
-        lin("cls.predictions.transform.dense", p["mlm_transform"])
-        norm("cls.predictions.transform.LayerNorm", p["mlm_norm"])
-        sd["cls.predictions.bias"] = p["mlm_bias"][:v]
+        # Written under BERT's names, then renamed to the family's (RoBERTa's lm_head.*, ELECTRA's
+        # generator_predictions.* / generator_lm_head.bias).
+        head_sd: dict[str, np.ndarray] = {}
+        k = p["mlm_transform"]["kernel"]
+        head_sd["cls.predictions.transform.dense.weight"] = np.ascontiguousarray(k.T)
+        head_sd["cls.predictions.transform.dense.bias"] = p["mlm_transform"]["bias"]
+        head_sd["cls.predictions.transform.LayerNorm.weight"] = p["mlm_norm"]["scale"]
+        head_sd["cls.predictions.transform.LayerNorm.bias"] = p["mlm_norm"]["bias"]
+        head_sd["cls.predictions.bias"] = p["mlm_bias"][:v]
+        back = {dst: src for src, dst in fam["head"].items()}
+        sd.update({_rename_head(n, back): a for n, a in head_sd.items()})
     return {k: np.ascontiguousarray(a, dtype=np.float32) for k, a in sd.items()}
 
 
 def hf_config_dict(cfg: BertConfig, head: str) -> dict:
+    """The config.json of an export: transformers' config of ``cfg.model_type``."""
     out = {k: getattr(cfg, k) for k in _CONFIG_KEYS}
-    out.update(model_type="bert", architectures=["BertForMaskedLM" if head == "mlm" else "BertModel"],
+    out.update(model_type=cfg.model_type, architectures=[architecture_name(cfg, head)],
                hidden_act="gelu", position_embedding_type="absolute", torch_dtype="float32",
                tie_word_embeddings=True)
+    if cfg.model_type == "roberta":
+        # fairseq's <s> 0 and </s> 2 (RobertaConfig's defaults); pad is the model's own.
+        out.update(bos_token_id=0, eos_token_id=2)
+    if cfg.model_type == "electra":
+        out.update(embedding_size=cfg.embed_size)
     return out
 
 
@@ -749,7 +843,7 @@ def save(model: BertModel, params: Mapping, out_dir: str, head: str = "mlm",
         with open(os.path.join(tmp, EXPORT_MARKER), "w") as f:
             json.dump({"written_by": "tacl_jax.hf.save", "tacl_jax": __version__,
                        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "head": head,
-                       "architecture": "BertForMaskedLM" if head == "mlm" else "BertModel",
+                       "architecture": architecture_name(cfg, head),
                        "files": files,
                        "note": "a later tacl_jax export with overwrite='ours' may replace this folder "
                                "while it holds only these files"}, f, indent=2)

@@ -19,8 +19,12 @@ import numpy as np
 import tokenizers
 
 SPECIAL_KEYS = ("pad", "cls", "sep", "mask", "unk")
+# The special tokens of a tokenizer folder without tokenizer_config.json / special_tokens_map.json:
+# the first convention whose [CLS]-role token is in the vocabulary. BERT's WordPiece, then
+# RoBERTa's byte-level BPE (fairseq's <s> </s> <pad> <mask> <unk>; ELECTRA uses BERT's).
 _DEFAULT_SPECIAL_TOKENS = {"pad": "[PAD]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]",
                            "unk": "[UNK]"}
+_ROBERTA_SPECIAL_TOKENS = {"pad": "<pad>", "cls": "<s>", "sep": "</s>", "mask": "<mask>", "unk": "<unk>"}
 # Sentences per encode_batch call: large enough to keep the Rust threads busy.
 ENCODE_BATCH = 4096
 
@@ -74,11 +78,14 @@ def load_tokenizer(tokenizer_dir: str | None) -> tokenizers.Tokenizer:
 def tokenizer_special_ids(tok: tokenizers.Tokenizer, tokenizer_dir: str | None = None) -> dict:
     """``{'pad','cls','sep','mask','unk'} -> id`` from the tokenizer's own special tokens.
 
-    Token strings come from ``special_tokens_map.json`` / ``tokenizer_config.json`` when present,
-    else BERT's ``[PAD] [CLS] [SEP] [MASK] [UNK]``. A missing token maps to None. ``tokenizer_dir``:
-    a folder or a Hub id.
+    Token strings come from ``special_tokens_map.json`` / ``tokenizer_config.json`` when present
+    (a RoBERTa folder: ``<pad> <s> </s> <mask> <unk>``), else BERT's ``[PAD] [CLS] [SEP] [MASK]
+    [UNK]``, or RoBERTa's when the vocabulary has ``<s>`` and no ``[CLS]``. A missing token maps
+    to None. ``tokenizer_dir``: a folder or a Hub id.
     """
     names = dict(_DEFAULT_SPECIAL_TOKENS)
+    if tok.token_to_id(names["cls"]) is None and tok.token_to_id(_ROBERTA_SPECIAL_TOKENS["cls"]) is not None:
+        names = dict(_ROBERTA_SPECIAL_TOKENS)
     tokenizer_dir = tokenizer_folder(tokenizer_dir) if tokenizer_dir else tokenizer_dir
     for filename in ("tokenizer_config.json", "special_tokens_map.json"):
         path = os.path.join(tokenizer_dir or "", filename)
@@ -96,12 +103,16 @@ def tokenizer_special_ids(tok: tokenizers.Tokenizer, tokenizer_dir: str | None =
 
 def bert_special_ids(tok: tokenizers.Tokenizer, tokenizer_dir: str | None = None) -> dict[str, int]:
     """``tokenizer_special_ids``, refusing (``ValueError``, naming them) a tokenizer that lacks any
-    of BERT's special tokens: masking, packing and the model's rows need all five."""
+    of the five roles: masking, packing and the model's rows need all five (BERT's ``[CLS] [SEP]
+    [PAD] [MASK] [UNK]``, RoBERTa's ``<s> </s> <pad> <mask> <unk>``, or whatever the folder's
+    tokenizer_config.json names)."""
     ids = tokenizer_special_ids(tok, tokenizer_dir)
     missing = [k for k, v in ids.items() if v is None]
     if missing:
-        raise ValueError(f"the tokenizer in {tokenizer_dir!r} has no {missing} token(s): a BERT WordPiece "
-                         "tokenizer ([CLS] [SEP] [PAD] [MASK] [UNK]) is needed")
+        raise ValueError(f"the tokenizer in {tokenizer_dir!r} has no {missing} token(s): a tokenizer with "
+                         "all five roles is needed (BERT's [CLS] [SEP] [PAD] [MASK] [UNK], RoBERTa's <s> </s> "
+                         "<pad> <mask> <unk>); save it with transformers (tokenizer.save_pretrained) so that "
+                         "tokenizer_config.json names them")
     return ids
 
 
@@ -138,8 +149,11 @@ class SentenceEncoder:
     """Sentences -> ``(ids int32 [n], word_starts uint8 [n])`` pairs, no special tokens added.
 
     ``word_starts[i] = 1`` where token i begins a word of the tokenizer's pre-tokenizer (for BERT
-    WordPiece: every piece but the ``##`` continuations), so whole-word masking works for any
-    tokenizer. Empty sentences (all characters dropped by the normalizer) give empty arrays.
+    WordPiece: every piece but the ``##`` continuations; for RoBERTa's byte-level BPE: the pieces
+    that begin with ``Ġ`` (a space), a sentence's first piece and a punctuation run, which the
+    byte-level regex splits off as words of their own, as BERT's pre-tokenizer does), so whole-word
+    masking works for any tokenizer. Empty sentences (all characters dropped by the normalizer)
+    give empty arrays.
     """
 
     def __init__(self, tok: tokenizers.Tokenizer):

@@ -7,12 +7,13 @@ same ``BertModel``. Every parameter carries logical axis names (``vocab``, ``emb
 
 Parameter tree (names mirror the Hugging Face checkpoint, see ``tacl_jax.hf``)::
 
-    embeddings/{word_embeddings,position_embeddings,token_type_embeddings}/embedding, LayerNorm
+    embeddings/{word_embeddings,position_embeddings,token_type_embeddings}/embedding [*, E], LayerNorm [E]
+    embeddings/embeddings_project/{kernel [E, H], bias [H]}   (ELECTRA with embedding_size E != H)
     encoder/layer_{i}/attention/{query,key,value}/kernel [H, heads, head_dim], bias [heads, head_dim]
     encoder/layer_{i}/attention/output/kernel [heads, head_dim, H], bias [H]; attention_norm
     encoder/layer_{i}/intermediate/kernel [H, I]; output/kernel [I, H]; output_norm
     pooler/{kernel,bias}                       (when ``with_pooler``)
-    mlm_transform/{kernel,bias}, mlm_norm, mlm_bias [V_padded]    (when ``with_mlm_head``)
+    mlm_transform/{kernel [H, E], bias [E]}, mlm_norm [E], mlm_bias [V_padded]   (when ``with_mlm_head``)
     nsp/{kernel,bias}                          (when ``with_nsp_head``)
 
 With ``scan_layers=True`` the encoder is one ``nn.scan`` over a single ``Layer`` (one compiled
@@ -21,6 +22,14 @@ layer body instead of N copies: shorter compiles on deep models) and the per-lay
 layer axis of size ``num_hidden_layers`` (logical name ``layers``, never sharded), e.g.
 ``encoder/layers/attention/query/kernel [N, H, heads, head_dim]``. ``stack_layers`` and
 ``unstack_layers`` convert between the two layouts (``tacl_jax.hf`` reads and writes either).
+
+Model families (``BertConfig.model_type``; ``tacl_jax.hf`` reads and writes each one's Hugging Face
+layout): ``'bert'``; ``'roberta'`` (the same encoder; position ids start past the padding index,
+``pad_token_id + 1 + cumsum(non-pad)``, pads at ``pad_token_id``, as fairseq and transformers
+compute them); ``'electra'`` (the same encoder; embeddings of width ``embedding_size`` E projected to
+H by ``embeddings_project`` when E != H, and the MLM head mapping H back to E before the tied
+decoder, as transformers' ``ElectraForMaskedLM`` generator head). E = H when ``embedding_size`` is
+None (every BERT and RoBERTa): no projection, and the tree is BERT's.
 
 The MLM decoder is tied to the word embeddings, whose rows are padded to a multiple of
 ``vocab_multiple`` (128) so the vocabulary dimension shards and tiles evenly; the padded rows are
@@ -42,6 +51,7 @@ from tacl_jax.models.attention import dot_product_attention
 from tacl_jax.models.dropout import DROPOUT_BITS, Dropout
 from tacl_jax.models.layers import KERNELS, Dense, LayerNorm, gelu, tied_decoder
 
+MODEL_TYPES = ("bert", "roberta", "electra")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 REMAT_POLICIES = ("none", "full", "save_dots")
 SCAN_NAME = "layers"   # the scanned encoder's subtree and its stacked axis' logical name
@@ -57,7 +67,8 @@ def to_dtype(name: str | Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class BertConfig:
-    """Architecture and numerics. Field names follow Hugging Face's ``BertConfig``."""
+    """Architecture and numerics. Field names follow Hugging Face's ``BertConfig`` (and
+    ``ElectraConfig``'s ``embedding_size``)."""
 
     vocab_size: int = 30522
     hidden_size: int = 768
@@ -73,6 +84,12 @@ class BertConfig:
     dropout_bits: int = 16
     initializer_range: float = 0.02
     pad_token_id: int = 0
+    # The checkpoint family (MODEL_TYPES): decides the position ids (RoBERTa's start past the
+    # padding index) and the Hugging Face names tacl_jax.hf reads and writes.
+    model_type: str = "bert"
+    # ELECTRA's factorised embeddings: width of the embedding tables (None = hidden_size, no
+    # projection). Only 'electra' has it: BERT and RoBERTa folders cannot express it.
+    embedding_size: int | None = None
     # Heads. The pooler is part of HF's BertModel/BertForPreTraining, so it is kept by default
     # (an export as BertModel then has no missing keys) even when NSP is off.
     with_pooler: bool = True
@@ -90,6 +107,17 @@ class BertConfig:
     kernels: str = "xla"
 
     def __post_init__(self):
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"model_type {self.model_type!r} is not one of {MODEL_TYPES}")
+        if self.embedding_size is not None:
+            if isinstance(self.embedding_size, bool) or not isinstance(self.embedding_size, int) \
+                    or self.embedding_size < 1:
+                raise ValueError(f"embedding_size {self.embedding_size!r}: a positive integer, or None "
+                                 "(= hidden_size)")
+            if self.model_type != "electra":
+                raise ValueError(f"embedding_size {self.embedding_size} needs model_type 'electra' (a "
+                                 f"{self.model_type!r} checkpoint has embeddings of width hidden_size); "
+                                 "set model_type='electra' or embedding_size=None")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by "
                              f"num_attention_heads {self.num_attention_heads}")
@@ -110,6 +138,20 @@ class BertConfig:
     def padded_vocab_size(self) -> int:
         m = self.vocab_multiple
         return -(-self.vocab_size // m) * m
+
+    @property
+    def embed_size(self) -> int:
+        """E: the width of the embedding tables and of the MLM head's output (``hidden_size``
+        unless ELECTRA's ``embedding_size`` says otherwise)."""
+        return self.hidden_size if self.embedding_size is None else self.embedding_size
+
+    @property
+    def max_length(self) -> int:
+        """The longest input: ``max_position_embeddings``, less RoBERTa's ``pad_token_id + 1``
+        position rows that no token uses (its positions start at ``pad_token_id + 1``)."""
+        if self.model_type == "roberta":
+            return self.max_position_embeddings - self.pad_token_id - 1
+        return self.max_position_embeddings
 
     @property
     def head_dim(self) -> int:
@@ -148,35 +190,60 @@ def _embed_param(module: nn.Module, name: str, num: int, features: int, axes, cf
         nn.initializers.normal(cfg.initializer_range), axes), (num, features), to_dtype(cfg.param_dtype))
 
 
+def position_ids(input_ids: jax.Array, cfg: BertConfig) -> jax.Array:
+    """Position ids ``[B, L]`` (int32) or ``[1, L]`` of ``input_ids [B, L]``: ``0..L-1`` for BERT and
+    ELECTRA; for RoBERTa transformers' ``create_position_ids_from_input_ids``, ``pad + cumsum(m) · m``
+    with ``m = input_ids != pad``, so real tokens count from ``pad + 1`` and pads (wherever they
+    are) sit at ``pad``."""
+    if cfg.model_type != "roberta":
+        return jnp.arange(input_ids.shape[1], dtype=jnp.int32)[None]
+    m = (input_ids != cfg.pad_token_id).astype(jnp.int32)
+    return jnp.cumsum(m, axis=1, dtype=jnp.int32) * m + cfg.pad_token_id
+
+
 class Embeddings(nn.Module):
+    """``input_ids, token_type_ids [B, L] -> [B, L, H]``: word + position + token type (tables of
+    width E), LayerNorm, dropout, then (ELECTRA, E != H) ``embeddings_project`` E -> H. With one
+    token type (``type_vocab_size=1``, RoBERTa) the segment ids are ignored."""
+
     config: BertConfig
 
     @nn.compact
     def __call__(self, input_ids, token_type_ids, deterministic: bool):
         cfg = self.config
         dtype = to_dtype(cfg.dtype)
-        word = nn.Embed(cfg.padded_vocab_size, cfg.hidden_size, dtype=jnp.float32,
+        e = cfg.embed_size
+        word = nn.Embed(cfg.padded_vocab_size, e, dtype=jnp.float32,
                         param_dtype=to_dtype(cfg.param_dtype),
                         embedding_init=nn.with_logical_partitioning(
                             nn.initializers.normal(cfg.initializer_range), ("vocab", "embed")),
                         name="word_embeddings")
-        pos = nn.Embed(cfg.max_position_embeddings, cfg.hidden_size, dtype=jnp.float32,
+        pos = nn.Embed(cfg.max_position_embeddings, e, dtype=jnp.float32,
                        param_dtype=to_dtype(cfg.param_dtype),
                        embedding_init=nn.with_logical_partitioning(
                            nn.initializers.normal(cfg.initializer_range), ("position", "embed")),
                        name="position_embeddings")
-        typ = nn.Embed(cfg.type_vocab_size, cfg.hidden_size, dtype=jnp.float32,
+        typ = nn.Embed(cfg.type_vocab_size, e, dtype=jnp.float32,
                        param_dtype=to_dtype(cfg.param_dtype),
                        embedding_init=nn.with_logical_partitioning(
                            nn.initializers.normal(cfg.initializer_range), ("type", "embed")),
                        name="token_type_embeddings")
-        length = input_ids.shape[1]
+        if cfg.type_vocab_size == 1:
+            # One token type (RoBERTa): the batch's segment ids (1 after the first [SEP] in the
+            # packers' and the synthetic rows) have no row to index; every token is type 0.
+            token_type_ids = jnp.zeros_like(token_type_ids)
         # Looked up and summed in f32 (as HF does in fp32), then one rounding to the compute dtype:
         # the tables' gradients are then scatter-added (and all-reduced) in f32, not bf16.
-        x = (word(input_ids).astype(jnp.float32) + pos(jnp.arange(length)[None]).astype(jnp.float32)
+        x = (word(input_ids).astype(jnp.float32) + pos(position_ids(input_ids, cfg)).astype(jnp.float32)
              + typ(token_type_ids).astype(jnp.float32))
         x = LayerNorm(cfg.layer_norm_eps, dtype, to_dtype(cfg.param_dtype), name="LayerNorm")(x)
         x = Dropout(cfg.hidden_dropout_prob, cfg.dropout_bits, cfg.kernels)(x, deterministic=deterministic)
+        if e != cfg.hidden_size:
+            # ElectraModel.embeddings_project: after the embeddings' dropout, no activation.
+            x = Dense((e,), (cfg.hidden_size,), ("embed_out", "embed"), dtype=dtype,
+                      param_dtype=to_dtype(cfg.param_dtype),
+                      kernel_init=nn.initializers.normal(cfg.initializer_range),
+                      name="embeddings_project", kernels=cfg.kernels)(x)
         return nn.with_logical_constraint(x, ("activation_batch", "activation_length", "activation_embed"))
 
     def attend(self, hidden: jax.Array, bias: jax.Array | None = None) -> jax.Array:
@@ -421,7 +488,8 @@ class BertModel(nn.Module):
             self.pooler = Dense((cfg.hidden_size,), (cfg.hidden_size,), ("embed", "embed_out"),
                                 dtype=dtype, param_dtype=pdtype, kernel_init=init, kernels=cfg.kernels)
         if cfg.with_mlm_head:
-            self.mlm_transform = Dense((cfg.hidden_size,), (cfg.hidden_size,), ("embed", "embed_out"),
+            # H -> E: ELECTRA's generator head maps back to the (tied) embeddings' width.
+            self.mlm_transform = Dense((cfg.hidden_size,), (cfg.embed_size,), ("embed", "embed_out"),
                                        dtype=dtype, param_dtype=pdtype, kernel_init=init, kernels=cfg.kernels)
             self.mlm_norm = LayerNorm(cfg.layer_norm_eps, dtype, pdtype)
             self.mlm_bias = self.param("mlm_bias", nn.with_logical_partitioning(
@@ -438,9 +506,10 @@ class BertModel(nn.Module):
             attention_mask = jnp.ones_like(input_ids)
         if token_type_ids is None:
             token_type_ids = jnp.zeros_like(input_ids)
-        if input_ids.shape[1] > cfg.max_position_embeddings:
-            raise ValueError(f"sequence length {input_ids.shape[1]} exceeds max_position_embeddings "
-                             f"{cfg.max_position_embeddings}; shorten max_len")
+        if input_ids.shape[1] > cfg.max_length:
+            raise ValueError(f"sequence length {input_ids.shape[1]} exceeds the model's {cfg.max_length} "
+                             f"positions (max_position_embeddings {cfg.max_position_embeddings}, less "
+                             "pad_token_id + 1 for RoBERTa); shorten max_len")
         x = self.embeddings(input_ids, token_type_ids, deterministic)
         bias = attention_bias(attention_mask)
         gathered = last_layer_positions is not None
@@ -474,7 +543,8 @@ class BertModel(nn.Module):
 
     def mlm_logits(self, hidden: jax.Array, positions: jax.Array | None = None,
                    padded_vocab: bool = False) -> jax.Array:
-        """``hidden [B, L, H]`` -> f32 logits ``[B, L, V]``, or ``[B, P, V]`` at ``positions [B, P]``.
+        """``hidden [B, L, H]`` -> f32 logits ``[B, L, V]``, or ``[B, P, V]`` at ``positions [B, P]``
+        (transform H -> E, gelu, LayerNorm, tied decoder E -> V).
 
         ``padded_vocab=True`` returns all ``V_padded`` columns with the padding ones at -1e9 (they
         never win a softmax or an argmax): what the training loss takes, because slicing the

@@ -177,7 +177,7 @@ def _train(config, workdir: str, stop: signals.StopFlag) -> dict[str, Any]:
     if status == "finished" and config.analysis.enabled and jax.process_index() == 0 and \
             (todo is None or "analysis" in todo):
         try:
-            outputs.analyze_at_end(config, workdir, prog.export_model.config.max_position_embeddings)
+            outputs.analyze_at_end(config, workdir, prog.export_model.config.max_length)
         except Exception:  # pylint: disable=broad-except  # the run is complete and saved either way
             log.exception("analysis failed (training, checkpoint and export are complete); rerun it with "
                           "python -m tacl_jax.analyze --workdir=%s --split=heldout --out=...", workdir)
