@@ -232,14 +232,15 @@ def encode_sentences(sentences: Sequence[str], tokenizer_dir: str, max_len: int 
     return Encoded(ids=ids, tokens=toks, truncated=truncated)
 
 
-def _batches(ids: list[np.ndarray], batch_size: int):
-    """Sentences sorted by length, padded per batch to a multiple of ``_LENGTH_BUCKET``."""
+def _batches(ids: list[np.ndarray], batch_size: int, pad_id: int = 0):
+    """Sentences sorted by length, padded per batch to a multiple of ``_LENGTH_BUCKET`` with
+    ``pad_id`` (the model's: RoBERTa's position ids count every id that is not its pad)."""
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     for start in range(0, len(order), batch_size):
         chunk = [ids[i] for i in order[start:start + batch_size]]
         length = -(-max(len(r) for r in chunk) // _LENGTH_BUCKET) * _LENGTH_BUCKET
         rows = len(chunk) if len(chunk) == batch_size else batch_size   # constant batch shape
-        x = np.zeros((rows, length), np.int32)
+        x = np.full((rows, length), pad_id, np.int32)
         m = np.zeros((rows, length), np.int32)
         for r, row in enumerate(chunk):
             x[r, :len(row)] = row
@@ -250,7 +251,7 @@ def _batches(ids: list[np.ndarray], batch_size: int):
 def corpus_self_similarity(model, params, ids: list[np.ndarray], batch_size: int = 32) -> dict[str, Any]:
     """Micro-averaged self-similarity of a list of ``[CLS] ... [SEP]`` id arrays."""
     sums = counts = 0.0
-    for x, m in _batches(ids, batch_size):
+    for x, m in _batches(ids, batch_size, model.config.pad_token_id):
         s, c = self_similarity_sums(model, params, x, m)
         sums, counts = sums + s, counts + c
     scores = sums / np.maximum(counts, 1.0)

@@ -3,7 +3,9 @@
     python -m tacl_jax.convert to_hf --workdir=DIR [--step=N] --out=DIR [--head=mlm|none] [--overwrite]
 
 ``--head=mlm`` (default) writes a ``BertForMaskedLM`` folder (``AutoModelForMaskedLM``);
-``--head=none`` a ``BertModel`` folder (``AutoModel``; TaCL's release format). Safetensors only,
+``--head=none`` a ``BertModel`` folder (``AutoModel``; TaCL's release format). A run from a RoBERTa
+or ELECTRA checkpoint exports in its family (``RobertaForMaskedLM``/``RobertaModel``,
+``ElectraForMaskedLM``/``ElectraModel``). Safetensors only,
 vocabulary padding stripped, tokenizer files copied from the run's tokenizer folder. Runs on a
 CPU host for checkpoints trained on a pod: the sharded checkpoint is restored onto the local
 devices.
@@ -64,11 +66,11 @@ def export_checkpoint(workdir: str, out: str, step: int | None = None, head: str
     # checkpoint holds the generator and heads too).
     objective = objective_lib.get(config.objective)
     model, params = objective_lib.bert_of(objective, model), objective_lib.bert_params_of(objective, model, state.params)
-    if head == "none" and not model.config.with_pooler:
+    if head == "none" and not model.config.with_pooler and model.config.model_type != "electra":  # ElectraModel: no pooler
         raise ValueError(f"the {config.objective} run's BERT has no pooler: export it with --head=mlm")
     hf.save(model, params, out, head=head, tokenizer_from=tok, overwrite=overwrite)
     log.info("wrote step %d of %s as a Hugging Face %s folder: %s", step, workdir,
-             "BertForMaskedLM" if head == "mlm" else "BertModel", out)
+             hf.architecture_name(model.config, head), out)
     return out
 
 

@@ -5,14 +5,17 @@ Counted (a matmul of ``[m, k] × [k, n]`` is ``2·m·k·n`` FLOPs; element-wise 
 * encoder forward per token: ``layers · (2·(4·d² + 2·d·I) + 4·L·d)`` — Q, K, V, O and the two
   FFN matmuls, plus bidirectional attention's ``QKᵀ`` and ``PV`` over all ``L`` keys;
 * MLM head per *predicted slot* (gathered: ``P`` slots per sequence, not ``L``):
-  ``2·(d² + d·V)`` — the transform and the tied decoder;
+  ``2·(d·e + e·V)`` — the transform and the tied decoder (``e`` = ELECTRA's ``embedding_size``,
+  else ``d``: ``2·(d² + d·V)``);
+* ELECTRA's ``embeddings_project`` (``e != d``): ``2·e·d`` per token, in every encoder forward
+  (student and teacher);
 * student: forward + backward = 3 × forward (encoder + head);
 * teacher (TaCL): one encoder forward, no head, no backward (its own size when it is another
   checkpoint, ``tacl.teacher_hf_path``);
 * the learned projection into a larger teacher's size ``d_t``: ``2·d·d_t`` per anchor, forward
   and backward (3×);
-* TaCL's scores: ``2·L·d_t`` per anchor (``d_t`` the teacher's hidden size) (the predicted slots: only their scores are computed;
-  ``anchors=L`` counts every position's, as the original computes them) forward and again
+* TaCL's scores: ``2·L·d_t`` per anchor (``d_t`` the teacher's hidden size; the predicted slots:
+  only their scores are computed; ``anchors=L`` counts every position's, as the original computes them) forward and again
   backward (student side only; the teacher gets no gradient);
 * with the gathered last layer (``model.gather_last_layer``: the student's last layer only at
   the ``P`` predicted positions, the only ones its losses read), that layer counts K and V per
@@ -43,9 +46,11 @@ def encoder_flops_per_token(layers: int, d: int, ffn: int, length: int) -> float
     return layers * (2 * (4 * d * d + 2 * d * ffn) + 4 * length * d)
 
 
-def mlm_head_flops(d: int, vocab: int) -> int:
-    """Forward FLOPs of BERT's MLM head at one slot: the ``d × d`` transform and the tied ``d × V`` decoder."""
-    return 2 * (d * d + d * vocab)
+def mlm_head_flops(d: int, vocab: int, e: int | None = None) -> int:
+    """Forward FLOPs of BERT's MLM head at one slot: the ``d × e`` transform and the tied ``e × V``
+    decoder (``e``: the embeddings' width, ELECTRA's ``embedding_size``; default ``d``)."""
+    e = d if e is None else e
+    return 2 * (d * e + e * vocab)
 
 
 def sequence_flops(cfg, *, length: int, predictions: int, teacher: bool, gathered_last_layer: bool = False,
@@ -59,28 +64,33 @@ def sequence_flops(cfg, *, length: int, predictions: int, teacher: bool, gathere
 
     Parts (forward FLOPs unless said): ``layer_forward`` (one encoder layer at every position),
     ``student_forward`` (the encoder, gathered last layer or not, plus the MLM head),
-    ``mlm_head_forward``, ``teacher_forward`` (0 without a teacher), ``tacl`` (the scores, forward
-    and backward; 0 without a teacher), ``projection`` (forward and backward; 0 unless the
-    teacher's hidden size differs), ``total`` = 3 · student_forward + teacher_forward + tacl +
-    projection."""
+    ``mlm_head_forward``, ``embeddings_project`` (ELECTRA's E -> H projection of the sequence; 0
+    without one; in both forwards), ``teacher_forward`` (0 without a teacher), ``tacl`` (the scores,
+    forward and backward; 0 without a teacher), ``projection`` (the student→teacher map, forward
+    and backward; 0 unless the teacher's hidden size differs), ``total`` = 3 · student_forward +
+    teacher_forward + tacl + projection."""
     d, ffn, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    e = getattr(cfg, "embedding_size", None) or d
+    proj = 2 * e * d * length if e != d else 0
     p = predictions
     layer = encoder_flops_per_token(1, d, ffn, length) * length
     if gathered_last_layer:   # K and V at every position, the rest at the P slots
         last = 2 * 2 * d * d * length + (encoder_flops_per_token(1, d, ffn, length) - 2 * 2 * d * d) * p
     else:
         last = layer
-    head = mlm_head_flops(d, cfg.vocab_size) * p
-    student = (n - 1) * layer + last + head
+    head = mlm_head_flops(d, cfg.vocab_size, e) * p
+    student = proj + (n - 1) * layer + last + head
     t = teacher_cfg if teacher_cfg is not None else cfg
     d_t, a = t.hidden_size, (p if anchors is None else anchors)
-    teacher_fwd = t.num_hidden_layers * encoder_flops_per_token(1, d_t, t.intermediate_size, length) * length \
-        if teacher else 0
+    e_t = getattr(t, "embedding_size", None) or d_t
+    teacher_fwd = ((2 * e_t * d_t * length if e_t != d_t else 0)
+                   + t.num_hidden_layers * encoder_flops_per_token(1, d_t, t.intermediate_size, length) * length
+                   if teacher else 0)
     tacl = 2 * 2 * length * d_t * a if teacher else 0
     projection = 3 * 2 * d * d_t * a if teacher and d_t != d else 0
     return dict(total=3 * student + teacher_fwd + tacl + projection, student_forward=student,
-                teacher_forward=teacher_fwd, layer_forward=layer, mlm_head_forward=head, tacl=tacl,
-                projection=projection)
+                teacher_forward=teacher_fwd, layer_forward=layer, mlm_head_forward=head, embeddings_project=proj,
+                tacl=tacl, projection=projection)
 
 
 def step_flops(cfg, *, batch: int, length: int, predictions: int, teacher: bool,

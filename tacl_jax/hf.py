@@ -1,4 +1,4 @@
-"""Hugging Face BERT checkpoints in and out, as parameter trees.
+"""Hugging Face BERT, RoBERTa and ELECTRA checkpoints in and out, as parameter trees.
 
 ``model, params = hf.load(path)`` reads a Hugging Face BERT folder (``config.json`` plus
 ``model.safetensors`` (possibly sharded) or ``pytorch_model.bin``, loaded with
@@ -32,6 +32,29 @@ transpose of our kernel ``[in, out]``, reshaped for the attention heads::
     cls.predictions.transform.dense.* / transform.LayerNorm.* -> mlm_transform / mlm_norm
     cls.predictions.bias                                    -> mlm_bias (padded)
     cls.seq_relationship.*                                  -> nsp
+
+RoBERTa and ELECTRA (``config.json``'s ``model_type``; ``BertConfig.model_type``, ``FAMILIES``) are
+the same encoder under their own prefix, with these differences (read and written alike)::
+
+    RoBERTa (RobertaForMaskedLM / RobertaModel; prefix ``roberta.``):
+      encoder tensors as BERT's; position ids pad_token_id + 1 + cumsum(ids != pad), pads at
+      pad_token_id (``models.bert.position_ids``); type_vocab_size 1; layer_norm_eps 1e-5
+    lm_head.dense.* / lm_head.layer_norm.*                  -> mlm_transform / mlm_norm
+    lm_head.bias                                            -> mlm_bias (padded)
+    lm_head.decoder.{weight,bias}                           -> tied (word embeddings, lm_head.bias)
+
+    ELECTRA (ElectraForPreTraining / ElectraModel / ElectraForMaskedLM; prefix ``electra.``):
+      embedding tables and embeddings.LayerNorm of width embedding_size E; no pooler
+    embeddings_project.*  (only when E != hidden_size)      -> embeddings/embeddings_project [E, H]
+    generator_predictions.dense.* / .LayerNorm.*            -> mlm_transform [H, E] / mlm_norm [E]
+    generator_lm_head.bias                                  -> mlm_bias (padded)
+    generator_lm_head.weight                                -> tied (word embeddings)
+    discriminator_predictions.*                             -> ignored (a log line says so)
+
+A discriminator has no MLM head: ``load`` initialises one (generator-shaped, H -> E -> tied
+decoder) and its log line says that this is an ELECTRA discriminator. ``save`` writes
+``RobertaForMaskedLM``/``RobertaModel`` or ``ElectraForMaskedLM``/``ElectraModel`` folders (an
+ElectraModel has no pooler, so ours, which ``load`` initialised, is not written).
 
 A model with ``scan_layers=True`` keeps its layers stacked in ``encoder/layers`` (leading axis =
 layer N): ``load`` stacks the per-layer tensors into that layout (``bert.stack_layers``) and
@@ -67,7 +90,9 @@ _CONFIG_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention
                 "intermediate_size", "max_position_embeddings", "type_vocab_size", "layer_norm_eps",
                 "hidden_dropout_prob", "attention_probs_dropout_prob", "initializer_range",
                 "pad_token_id")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+# vocab.json + merges.txt: RoBERTa's byte-level BPE for readers without tokenizer.json.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json",
+                   "vocab.json", "merges.txt")
 # Written last into every export: it tells ``overwrite="ours"`` that tacl_jax wrote the folder
 # (and which files). transformers reads only the files it knows, so an extra JSON is harmless.
 EXPORT_MARKER = "tacl_jax_export.json"

@@ -156,7 +156,7 @@ def measure(model, params, teacher_model, teacher_params, ids: list[np.ndarray],
 
     fn = _measure_fn(model, teacher_model, masking.temperature)
     total = None
-    for i, (x, m) in enumerate(_batches(ids, batch_size)):
+    for i, (x, m) in enumerate(_batches(ids, batch_size, model.config.pad_token_id)):
         masked = mask_tokens(jax.random.fold_in(jax.random.key(masking.seed), i), jnp.asarray(x), jnp.asarray(m),
                              max_predictions=num_predictions(x.shape[1], masking.mask_prob), mask_id=masking.mask_id,
                              vocab_size=masking.vocab_size, special_ids=masking.special_ids,

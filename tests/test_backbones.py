@@ -271,8 +271,16 @@ def test_roberta_special_ids_word_starts_and_masking_avoid_specials(roberta_dir,
     # Without tokenizer_config.json the folder's vocabulary decides: <s> and no [CLS] = RoBERTa's.
     bare = tmp_path / "bare"
     bare.mkdir()
-    (bare / "tokenizer.json").write_text((open(os.path.join(roberta_dir, "tokenizer.json"))).read())
+    (bare / "tokenizer.json").write_text(open(os.path.join(roberta_dir, "tokenizer.json")).read())
     assert tokens.run_special_ids(str(bare), cfg.vocab_size) == special
+    # Only vocab.json + merges.txt (and config.json): converted by transformers, same ids and pieces.
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    tokenization.load_tokenizer(roberta_dir).model.save(str(slow))
+    (slow / "config.json").write_text(open(os.path.join(roberta_dir, "config.json")).read())
+    assert tokens.run_special_ids(str(slow), cfg.vocab_size) == special
+    assert (tokenization.load_tokenizer(str(slow)).encode(SENTENCES[1], add_special_tokens=False).ids
+            == tokenization.load_tokenizer(roberta_dir).encode(SENTENCES[1], add_special_tokens=False).ids)
 
     tok = tokenization.load_tokenizer(roberta_dir)
     sents = tokenization.SentenceEncoder(tok).encode(SENTENCES)
@@ -345,3 +353,49 @@ def test_train_step_from_a_roberta_folder(roberta_dir, objective):
         assert np.isfinite(metrics["tacl_loss"])
     after = np.asarray(jax.device_get(state.params["embeddings"]["word_embeddings"]["embedding"]))
     assert not np.array_equal(before, after)
+
+
+# ----------------------------------------------------------------------------- readers of the config
+
+def test_flops_count_electras_projection_and_narrow_head():
+    from tacl_jax.flops import mlm_head_flops, sequence_flops
+
+    bert = BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                      intermediate_size=256)
+    electra = bert.replace(model_type="electra", embedding_size=16)
+    kw = dict(length=32, predictions=5, teacher=True)
+    a, b = sequence_flops(bert, **kw), sequence_flops(electra, **kw)
+    assert a["embeddings_project"] == 0 and b["embeddings_project"] == 2 * 16 * 64 * 32
+    assert b["mlm_head_forward"] == mlm_head_flops(64, 1000, 16) * 5 == 2 * (64 * 16 + 16 * 1000) * 5
+    assert b["student_forward"] - a["student_forward"] == b["embeddings_project"] + b["mlm_head_forward"] - a["mlm_head_forward"]
+    assert b["teacher_forward"] - a["teacher_forward"] == b["embeddings_project"]
+    assert sequence_flops(bert.replace(model_type="roberta"), **kw) == a
+
+
+def test_coco_lm_refuses_factorised_embeddings():
+    from tacl_jax.errors import ConfigError
+    from tacl_jax.models.coco_lm import CocoLM
+
+    cfg = BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, model_type="electra", embedding_size=16)
+    with pytest.raises(ConfigError, match="use objective 'tacl' or 'mlm'"):
+        CocoLM.build(cfg, generator_layers=1)
+    CocoLM.build(cfg.replace(embedding_size=None), generator_layers=1)
+
+
+def test_aot_reads_a_roberta_folders_architecture_and_tokenizer(roberta_dir):
+    """tacl_jax.aot's architecture step (no compile): the family, and RoBERTa's special ids."""
+    from tacl_jax import aot
+    from tacl_jax.config import default_config
+
+    c = default_config()
+    c.init.hf_path = roberta_dir
+    arch, special, note = aot._architecture(c)
+    assert arch.model_type == "roberta" and arch.max_length == 38 and special["cls"] == 0 and roberta_dir in note
+
+
+def test_isotropy_and_analysis_batches_pad_with_the_models_pad():
+    from tacl_jax.analyze import _batches
+
+    (x, m), = list(_batches([np.array([0, 7, 2]), np.array([0, 8, 9, 10, 2])], batch_size=2, pad_id=1))
+    assert (x[m == 0] == 1).all() and x[0, :3].tolist() == [0, 7, 2]

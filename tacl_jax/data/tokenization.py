@@ -2,9 +2,11 @@
 
 The tokenizer is the one saved beside the init checkpoint (``config.init.hf_path``; a folder, or a
 Hub id read through the Hugging Face cache, ``tacl_jax.hf.resolve``) with
-``tokenizer.json`` (read directly with the ``tokenizers`` library) or only ``vocab.txt`` (converted
-by ``transformers.AutoTokenizer``). Truncation and padding stored in ``tokenizer.json`` are turned
-off: the packers decide lengths, and a truncating tokenizer would silently drop corpus text.
+``tokenizer.json`` (read directly with the ``tokenizers`` library) or only ``vocab.txt`` (BERT) or
+``vocab.json`` + ``merges.txt`` (RoBERTa), converted by ``transformers.AutoTokenizer``. The special
+tokens are the folder's own (``tokenizer_special_ids``: BERT's ``[CLS]``..., RoBERTa's ``<s>``...).
+Truncation and padding stored in ``tokenizer.json`` are turned off: the packers decide lengths, and
+a truncating tokenizer would silently drop corpus text.
 """
 
 from __future__ import annotations
@@ -61,13 +63,15 @@ def load_tokenizer(tokenizer_dir: str | None) -> tokenizers.Tokenizer:
     path = os.path.join(tokenizer_dir, "tokenizer.json")
     if os.path.isfile(path):
         tok = tokenizers.Tokenizer.from_file(path)
-    elif os.path.isfile(os.path.join(tokenizer_dir, "vocab.txt")):
+    elif os.path.isfile(os.path.join(tokenizer_dir, "vocab.txt")) or all(
+            os.path.isfile(os.path.join(tokenizer_dir, n)) for n in ("vocab.json", "merges.txt")):
+        # WordPiece vocab.txt, or RoBERTa's BPE vocab.json + merges.txt: transformers converts them.
         import transformers  # pylint: disable=import-outside-toplevel  (slow import, rare path)
         tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir, use_fast=True)
         tok = tok.backend_tokenizer
     else:
         raise FileNotFoundError(
-            f"{tokenizer_dir!r} has neither tokenizer.json nor vocab.txt. Save the tokenizer "
+            f"{tokenizer_dir!r} has neither tokenizer.json nor vocab.txt (nor vocab.json + merges.txt). Save the tokenizer "
             "beside the checkpoint (tokenizer.save_pretrained(dir)) or point config.init.hf_path "
             "at a folder that has one.")
     tok.no_truncation()

@@ -30,6 +30,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from tacl_jax.errors import ConfigError
 from tacl_jax.models.bert import BertConfig, BertModel, take_positions, to_dtype
 from tacl_jax.models.layers import Dense, LayerNorm, gelu
 
@@ -80,6 +81,13 @@ class CocoLM:
 
     @classmethod
     def build(cls, main_config: BertConfig, generator_layers: int, scl_dim: int = 0) -> "CocoLM":
+        if main_config.embed_size != main_config.hidden_size:
+            # The corrective LM decodes the main model's H-wide states with the tied E-wide word
+            # embeddings, which ELECTRA's factorised embeddings (E != H) cannot take.
+            raise ConfigError(f"objective 'coco_lm' needs embeddings as wide as the hidden states; this "
+                              f"ELECTRA checkpoint has embedding_size {main_config.embedding_size} != hidden_size "
+                              f"{main_config.hidden_size}: use objective 'tacl' or 'mlm', or a checkpoint "
+                              "whose embedding_size equals hidden_size")
         cfg = main_config.replace(with_mlm_head=True, with_nsp_head=False)
         gen = cfg.replace(num_hidden_layers=int(generator_layers), with_pooler=False)
         return cls(main=BertModel(cfg), generator=BertModel(gen),
