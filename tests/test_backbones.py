@@ -302,23 +302,37 @@ def test_roberta_special_ids_word_starts_and_masking_avoid_specials(roberta_dir,
     specials = np.asarray(list(special.values()))
     is_special = np.isin(batch["input_ids"], specials)
     for whole_word in (False, True):
+        draw = jax.jit(lambda key, ws: mask_tokens(
+            key, jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"]), max_predictions=4,
+            mask_id=special["mask"], vocab_size=cfg.vocab_size, special_ids=tuple(special.values()),
+            mask_prob=0.3, word_starts=ws))
         for seed in range(20):
-            m = mask_tokens(jax.random.key(seed), jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"]),
-                            max_predictions=4, mask_id=special["mask"], vocab_size=cfg.vocab_size,
-                            special_ids=tuple(special.values()), mask_prob=0.3,
-                            word_starts=jnp.asarray(batch["word_starts"]) if whole_word else None)
+            m = draw(jax.random.key(seed), jnp.asarray(batch["word_starts"]) if whole_word else None)
             sel = np.asarray(m.selected).astype(bool)
             assert sel.any() and not (sel & is_special).any()
+            if whole_word:   # a word's pieces are selected together
+                cont = (batch["word_starts"][:, 1:] == 0) & ~is_special[:, 1:] & ~is_special[:, :-1]
+                assert cont.any() and (sel[:, 1:] == sel[:, :-1])[cont].all()
             assert not np.isin(np.asarray(m.targets)[np.asarray(m.weights) > 0], specials).any()
 
 
+@pytest.fixture(scope="module")
+def electra_dir(tmp_path_factory):
+    """A tiny ElectraForPreTraining discriminator folder (embedding_size 16 != hidden 32), no tokenizer."""
+    out = tmp_path_factory.mktemp("electra")
+    _electra(transformers.ElectraForPreTraining).save_pretrained(out)
+    return str(out)
+
+
 @pytest.mark.slow   # ~40 s each on a shared 2-core CPU (compiling the step)
-@pytest.mark.parametrize("objective", ["tacl", "mlm"])
-def test_train_step_from_a_roberta_folder(roberta_dir, objective):
+@pytest.mark.parametrize("family,objective", [("roberta", "tacl"), ("roberta", "mlm"), ("electra", "tacl")])
+def test_train_step_from_a_roberta_or_electra_folder(roberta_dir, electra_dir, family, objective):
     """build_program + the pretrained params + one train step (whole-word masking on) from the
-    RoBERTa folder: the losses are finite and the step moves the params."""
+    folder: the losses are finite and the step moves the params. RoBERTa's special ids come from
+    its tokenizer; the ELECTRA folder has none (BERT's toy ids are passed)."""
     import pathlib
 
+    from tacl_jax import tokens
     from tacl_jax.config import load_config_file, override
     from tacl_jax.data import synthetic
     from tacl_jax.train import setup
@@ -327,19 +341,26 @@ def test_train_step_from_a_roberta_folder(roberta_dir, objective):
     c = load_config_file(str(root / "configs" / "tiny.py"))
     c.objective = objective
     c.init.from_scratch = False
-    c.init.hf_path = roberta_dir
+    c.init.hf_path = roberta_dir if family == "roberta" else electra_dir
     c.global_batch_size = 4
     c.max_len = 16
     c.optim.warmup_steps = 0       # the first step's rate is then > 0: the step moves the params
     c = override(c, {"masking.whole_word": True})
-    prog = setup.build_program(c, jax.devices()[:1])
+    special = tokens.default_special_ids(99) if family == "electra" else None
+    prog = setup.build_program(c, jax.devices()[:1], special_ids=special)
     bert = prog.export_model.config
-    assert (bert.model_type, bert.pad_token_id, bert.type_vocab_size) == ("roberta", 1, 1)
-    assert prog.special_ids == dict(cls=0, pad=1, sep=2, unk=3, mask=4)
+    assert bert.model_type == family
+    if family == "roberta":
+        assert (bert.pad_token_id, bert.type_vocab_size) == (1, 1)
+        assert prog.special_ids == dict(cls=0, pad=1, sep=2, unk=3, mask=4)
+    else:
+        assert bert.embedding_size == 16
     init = prog.hf_params()
     state = prog.create_state_from_bert(init)
     teacher = prog.create_teacher(init)
     assert (teacher is None) == (objective == "mlm")
+    if teacher is not None and family == "electra":
+        assert teacher["embeddings"]["embeddings_project"]["kernel"].shape == (16, 32)
     sp = prog.special_ids
     batch = prog.global_batch(synthetic.global_batch(
         c.seed, 0, c.global_batch_size, max_len=c.max_len, vocab_size=bert.vocab_size, first_regular_id=5,
