@@ -118,14 +118,14 @@ FAMILIES: dict[str, dict[str, Any]] = {
                           "lm_head.bias": "cls.predictions.bias"},
                     tied=("lm_head.decoder.weight", "lm_head.decoder.bias"),
                     mlm="RobertaForMaskedLM", base="RobertaModel",
-                    defaults=dict(pad_token_id=1, layer_norm_eps=1e-5, type_vocab_size=1,
-                                  max_position_embeddings=514)),
+                    defaults=dict(pad_token_id=1, vocab_size=50265)),
     "electra": dict(prefix="electra.",
                     head={"generator_predictions.dense": "cls.predictions.transform.dense",
                           "generator_predictions.LayerNorm": "cls.predictions.transform.LayerNorm",
                           "generator_lm_head.bias": "cls.predictions.bias"},
                     tied=("generator_lm_head.weight",),
-                    mlm="ElectraForMaskedLM", base="ElectraModel", defaults={}),
+                    mlm="ElectraForMaskedLM", base="ElectraModel",
+                    defaults=dict(hidden_size=256, intermediate_size=1024, num_attention_heads=4)),
 }
 
 
@@ -350,9 +350,10 @@ def read_config(path: str) -> BertConfig:
         if k in raw and (isinstance(raw[k], bool) or not isinstance(raw[k], (int, float))):
             raise FolderError(f"{cfg_file}: {k} is {raw[k]!r}, expected a number")
     fields = {k: raw[k] for k in _CONFIG_KEYS if k in raw}
-    # transformers' defaults for the keys a family's config.json may omit (its config class fills
-    # them in on load): RoBERTa's pad 1 and eps 1e-5 (its tokenizer's <pad> and fairseq's norm),
-    # ELECTRA's embedding_size 128.
+    # A key the config.json omits takes the default of the family's transformers config class,
+    # as transformers would load the folder (where it differs from BERT's: RoBERTa's pad 1 and
+    # vocabulary; ELECTRA's small sizes and embedding_size 128). roberta-base's eps 1e-5, one token
+    # type and 514 positions are written in its config.json.
     fields = {**FAMILIES[model_type]["defaults"], **fields}
     if model_type == "electra":
         e = raw.get("embedding_size", 128)
@@ -465,7 +466,8 @@ def state_dict_to_params(sd: Mapping[str, np.ndarray], cfg: BertConfig,
                          source: str = "the checkpoint") -> tuple[dict, list[str]]:
     """HF tensors -> our (numpy) parameter tree, in the scanned layout when ``cfg.scan_layers``.
     Returns ``(params, missing_parts)`` where ``missing_parts`` names the heads the checkpoint does
-    not have (``pooler``, ``mlm``, ``nsp``). The vocabulary tensors (word embeddings ``[V, H]``,
+    not have (``pooler``, ``mlm``, ``nsp``). The tensors are named as ``cfg.model_type``'s family
+    names them (``FAMILIES``). The vocabulary tensors (word embeddings ``[V, E]``,
     MLM bias ``[V]``) must have ``V = cfg.vocab_size`` rows; they are zero-padded to
     ``[cfg.padded_vocab_size, ...]``. ``source`` names the checkpoint in error messages."""
     fam = FAMILIES[cfg.model_type]
@@ -550,8 +552,8 @@ def state_dict_to_params(sd: Mapping[str, np.ndarray], cfg: BertConfig,
 
 
 def load(path: str, *, seed: int = 0, **overrides) -> tuple[BertModel, dict]:
-    """A Hugging Face BERT folder, or Hub id (``bert-base-uncased``, ``org/name@revision``, read
-    through the Hugging Face cache; ``resolve``) -> ``(BertModel, params)``.
+    """A Hugging Face BERT, RoBERTa or ELECTRA folder, or Hub id (``bert-base-uncased``,
+    ``org/name@revision``, read through the Hugging Face cache; ``resolve``) -> ``(BertModel, params)``.
 
     ``overrides`` replace ``BertConfig`` fields (e.g. ``dtype="float32"``, ``with_nsp_head=True``,
     ``hidden_dropout_prob=0.0``). ``dtype`` defaults to ``"auto"``, training's rule for the
@@ -618,8 +620,9 @@ def _host(x) -> np.ndarray:
 
 def params_to_state_dict(params: Mapping, cfg: BertConfig, head: str = "mlm") -> dict[str, np.ndarray]:
     """Our parameter tree (unrolled, or scanned when ``cfg.scan_layers``) -> HF tensors for
-    ``BertForMaskedLM`` (``head="mlm"``) or ``BertModel`` (``head="none"``). Vocabulary padding is
-    stripped."""
+    ``BertForMaskedLM`` (``head="mlm"``) or ``BertModel`` (``head="none"``), or the RoBERTa/ELECTRA
+    classes of ``cfg.model_type`` (``architecture_name``; names in the module docstring).
+    Vocabulary padding is stripped."""
     if head not in ("mlm", "none"):
         raise ValueError(f"head={head!r}: use 'mlm' ({architecture_name(cfg, 'mlm')}) or 'none' "
                          f"({architecture_name(cfg, 'none')})")

@@ -420,3 +420,42 @@ def test_isotropy_and_analysis_batches_pad_with_the_models_pad():
 
     (x, m), = list(_batches([np.array([0, 7, 2]), np.array([0, 8, 9, 10, 2])], batch_size=2, pad_id=1))
     assert (x[m == 0] == 1).all() and x[0, :3].tolist() == [0, 7, 2]
+
+
+def test_electra_params_shard_by_their_logical_names(electra_dir):
+    """The projection and the narrow tables/head get specs from parallel's rule table (fsdp 2,
+    tensor 2 on 4 of the fake CPU devices); nothing compiles."""
+    import pathlib
+
+    from jax.sharding import PartitionSpec as P
+
+    from tacl_jax import tokens
+    from tacl_jax.config import load_config_file
+    from tacl_jax.train import setup
+
+    c = load_config_file(str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny.py"))
+    c.objective = "mlm"
+    c.init.from_scratch = False
+    c.init.hf_path = electra_dir
+    c.mesh.update(data=1, fsdp=2, tensor=2)
+    c.global_batch_size = 4
+    c.max_len = 16
+    prog = setup.build_program(c, jax.devices()[:4], special_ids=tokens.default_special_ids(99))
+    sh = prog.state_shardings.params
+    assert sh["embeddings"]["embeddings_project"]["kernel"].spec == P(None, "fsdp")
+    assert sh["embeddings"]["word_embeddings"]["embedding"].spec == P("tensor", "fsdp")
+    assert sh["mlm_transform"]["kernel"].spec == P("fsdp", None)
+    assert prog.abstract_state.params["mlm_norm"]["scale"].shape == (16,)
+
+
+@pytest.mark.parametrize("family", ["roberta", "electra"])
+def test_omitted_config_keys_take_the_transformers_class_defaults(tmp_path, family):
+    """A sparse config.json reads as transformers reads it (its config class fills the gaps)."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": family, "num_hidden_layers": 2}))
+    ours = hf.read_config(str(tmp_path))
+    theirs = transformers.AutoConfig.from_pretrained(str(tmp_path))
+    for k in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "pad_token_id",
+              "layer_norm_eps", "type_vocab_size", "max_position_embeddings"):
+        assert getattr(ours, k) == getattr(theirs, k), k
+    if family == "electra":
+        assert ours.embedding_size == theirs.embedding_size == 128
