@@ -57,7 +57,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.profile_steps = ""
 
     c.init = ml_collections.ConfigDict()
-    c.init.hf_path = ""                  # Hugging Face BERT/RoBERTa/ELECTRA folder or Hub id: student and teacher start here
+    c.init.hf_path = ""                  # Hugging Face BERT folder: student and teacher start here
+    #                                      (RoBERTa and ELECTRA too; tacl_jax.hf)
     c.init.tokenizer_path = ""           # default: init.hf_path
     c.init.from_scratch = False          # required to train TaCL without hf_path (random teacher)
     c.init.params_from = ""              # another run's workdir: start from its latest params

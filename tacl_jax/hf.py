@@ -474,13 +474,14 @@ def state_dict_to_params(sd: Mapping[str, np.ndarray], cfg: BertConfig,
     sd = dict(sd)
     prefix = fam["prefix"] if any(k.startswith(fam["prefix"]) for k in sd) else ""
     if prefix + "embeddings.word_embeddings.weight" not in sd:
-        others = [f for f, v in FAMILIES.items() if f != cfg.model_type and any(k.startswith(v["prefix"]) for k in sd)]
+        others = [f for f, v in FAMILIES.items()
+                  if f != cfg.model_type and any(k.startswith(v["prefix"]) for k in sd)]
         hint = (f"; its tensors are named like a {others[0]!r} checkpoint: fix config.json's model_type"
                 if others else "")
-        raise FolderError(f"{source} is not a {cfg.model_type} checkpoint: no {prefix}embeddings.word_embeddings."
-                          f"weight (found e.g. {sorted(sd)[:5]}){hint}")
+        raise FolderError(f"{source} is not a {cfg.model_type} checkpoint: no "
+                          f"{prefix}embeddings.word_embeddings.weight (found e.g. {sorted(sd)[:5]}){hint}")
     for k in list(sd):  # strip the prefix from the encoder tensors; heads get BERT's names
-        if k.startswith(tuple(prefix + m for m in ("embeddings.", "encoder.", "pooler.", "embeddings_project."))):
+        if k.startswith(tuple(prefix + m for m in ("embeddings.", "embeddings_project.", "encoder.", "pooler."))):
             sd[k[len(prefix):]] = sd.pop(k)
         elif fam["head"]:
             sd[_rename_head(k, fam["head"])] = sd.pop(k)

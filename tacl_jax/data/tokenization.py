@@ -71,8 +71,8 @@ def load_tokenizer(tokenizer_dir: str | None) -> tokenizers.Tokenizer:
         tok = tok.backend_tokenizer
     else:
         raise FileNotFoundError(
-            f"{tokenizer_dir!r} has neither tokenizer.json nor vocab.txt (nor vocab.json + merges.txt). Save the tokenizer "
-            "beside the checkpoint (tokenizer.save_pretrained(dir)) or point config.init.hf_path "
+            f"{tokenizer_dir!r} has neither tokenizer.json nor vocab.txt (nor vocab.json + merges.txt). "
+            "Save the tokenizer beside the checkpoint (tokenizer.save_pretrained(dir)) or point config.init.hf_path "
             "at a folder that has one.")
     tok.no_truncation()
     tok.no_padding()

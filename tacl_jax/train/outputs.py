@@ -49,7 +49,8 @@ def export(model, params, workdir: str, name: str, tok_dir: str | None) -> None:
     hf.save(model, params, staging, head="mlm", tokenizer_from=tok_dir or None, overwrite="ours")
     if staging != out and jax.process_index() == 0:
         copy_tree(staging, out)
-    log.info("exported the student as a Hugging Face %s folder: %s", hf.architecture_name(model.config, "mlm"), out)
+    log.info("exported the student as a Hugging Face %s folder: %s",
+             hf.architecture_name(model.config, "mlm"), out)
 
 
 def analyze_at_end(config, workdir: str, max_position_embeddings: int) -> dict | None:

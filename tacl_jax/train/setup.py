@@ -144,7 +144,8 @@ def check_model(config, model) -> None:
     cfg = model.config
     if config.max_len > cfg.max_length:
         # RoBERTa's positions start at pad_token_id + 1 (BertConfig.max_length): 514 rows, 512 tokens.
-        less = f" less RoBERTa's pad_token_id + 1 = {cfg.max_length}" if cfg.max_length != cfg.max_position_embeddings else ""
+        less = (f" less RoBERTa's pad_token_id + 1 = {cfg.max_length}"
+                if cfg.max_length != cfg.max_position_embeddings else "")
         raise ConfigError(f"max_len {config.max_len} exceeds the model's max_position_embeddings "
                          f"{cfg.max_position_embeddings}{less}; lower config.max_len")
 
