@@ -65,8 +65,8 @@ def export_checkpoint(workdir: str, out: str, step: int | None = None, head: str
     # The objective's BERT: the whole student, or a part of it (COCO-LM's main model; the
     # checkpoint holds the generator and heads too).
     objective = objective_lib.get(config.objective)
-    bert, params = objective_lib.bert_of(objective, model), objective_lib.bert_params_of(objective, model, state.params)
-    model = bert
+    params = objective_lib.bert_params_of(objective, model, state.params)
+    model = objective_lib.bert_of(objective, model)
     # ElectraModel has no pooler: an ELECTRA run exports without one.
     if head == "none" and not model.config.with_pooler and model.config.model_type != "electra":
         raise ValueError(f"the {config.objective} run's BERT has no pooler: export it with --head=mlm")

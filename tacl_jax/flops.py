@@ -15,8 +15,8 @@ Counted (a matmul of ``[m, k] × [k, n]`` is ``2·m·k·n`` FLOPs; element-wise 
 * the learned projection into a larger teacher's size ``d_t``: ``2·d·d_t`` per anchor, forward
   and backward (3×);
 * TaCL's scores: ``2·L·d_t`` per anchor (``d_t`` the teacher's hidden size; the predicted slots:
-  only their scores are computed; ``anchors=L`` counts every position's, as the original computes them) forward and again
-  backward (student side only; the teacher gets no gradient);
+  only their scores are computed; ``anchors=L`` counts every position's, as the original computes
+  them) forward and again backward (student side only; the teacher gets no gradient);
 * with the gathered last layer (``model.gather_last_layer``: the student's last layer only at
   the ``P`` predicted positions, the only ones its losses read), that layer counts K and V per
   token (``2·2·d²``) and the rest per slot (``2·(2·d² + 2·d·I) + 4·L·d``): the FLOPs it does.
