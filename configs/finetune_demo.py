@@ -22,7 +22,7 @@ def get_config():
     c.data.validation_file = "/tmp/ft_demo_data/validation.jsonl"
     c.data.label_list = ("0", "1")
     c.data.metrics = ("accuracy", "f1")
-    c.max_len = 64
+    c.max_len = 48
     c.global_batch_size = 32
     c.eval_batch_size = 64
     c.num_train_epochs = 1.0

@@ -8,8 +8,9 @@ writes ``train.jsonl`` / ``validation.jsonl`` (``{"sentence": ..., "label": 0|1}
 accuracy does not saturate and two implementations can differ measurably: the formatting cues
 are removed from both sides (lower case; wikitext's ``@-@``/`` , `` tokenisation undone; sentences
 with code characters, digits, ``<unk>``, headings or brackets dropped) and the two classes get the
-same sentence-length distribution (equal counts per word-count bucket). What is left is vocabulary
-and style: technical prose about objects and functions vs encyclopedic prose.
+same sentence-length distribution (equal counts per word-count bucket), and sentences holding one
+of each class's most revealing words (highest log-odds: 'function', 'argument', ... / 'century',
+'army', ...) are dropped. What is left is the rest of the vocabulary and the style.
 """
 
 from __future__ import annotations
@@ -64,18 +65,39 @@ def python_doc_sentences() -> list[str]:
     return [s for doc in python_docs.documents() for line in doc for s in preprocess.split_sentences(line)]
 
 
+def revealing_words(classes: Sequence[Sequence[str]], top: int) -> set[str]:
+    """The ``top`` words of each class with the highest smoothed log-odds of that class: the
+    words that alone give a sentence's class away (e.g. 'function', 'argument' / 'century')."""
+    counts = [collections.Counter(w for s in sents for w in set(re.findall(r"[a-z]+", s))) for sents in classes]
+    totals = [max(1, len(sents)) for sents in classes]
+    vocab = set(counts[0]) | set(counts[1])
+    out = set()
+    for a, b in ((0, 1), (1, 0)):
+        score = {w: np.log((counts[a][w] + 1) / totals[a]) - np.log((counts[b][w] + 1) / totals[b]) for w in vocab}
+        out.update(sorted(vocab, key=lambda w: (-score[w], w))[:top])
+    return out
+
+
 def build(positives: Iterable[str], negatives: Iterable[str], seed: int = 0,
-          validation_fraction: float = 0.2) -> tuple[list[dict], list[dict], dict]:
+          validation_fraction: float = 0.2, drop_top_words: int = 0) -> tuple[list[dict], list[dict], dict]:
     """Filtered, de-duplicated, length-matched rows of both classes, shuffled and split:
-    ``(train, validation, stats)``. Rows: ``{'sentence', 'label'}`` (1 = ``positives``)."""
+    ``(train, validation, stats)``. Rows: ``{'sentence', 'label'}`` (1 = ``positives``).
+    ``drop_top_words``: sentences holding one of each class's most revealing words are dropped."""
     rng = np.random.default_rng(seed)
-    pools = {}
-    for label, sents in ((1, positives), (0, negatives)):
-        seen, by_len = set(), collections.defaultdict(list)
+    kept = []
+    for sents in (negatives, positives):
+        seen = []
         for s in sents:
             s = _normalise(s.strip())
-            if _keep(s) and s not in seen:
-                seen.add(s)
+            if _keep(s):
+                seen.append(s)
+        kept.append(list(dict.fromkeys(seen)))
+    banned = revealing_words(kept, drop_top_words) if drop_top_words else set()
+    pools = {}
+    for label in (0, 1):
+        by_len = collections.defaultdict(list)
+        for s in kept[label]:
+            if not banned.intersection(re.findall(r"[a-z]+", s)):
                 by_len[len(s.split())].append(s)
         pools[label] = by_len
     rows = []
@@ -87,7 +109,7 @@ def build(positives: Iterable[str], negatives: Iterable[str], seed: int = 0,
     rows = [rows[i] for i in rng.permutation(len(rows))]
     n_val = int(round(len(rows) * validation_fraction))
     stats = {"rows": len(rows), "train": len(rows) - n_val, "validation": n_val,
-             "positives": sum(r["label"] for r in rows), "seed": seed}
+             "positives": sum(r["label"] for r in rows), "seed": seed, "dropped_words": len(banned)}
     return rows[n_val:], rows[:n_val], stats
 
 
@@ -102,9 +124,12 @@ def main(argv=None) -> dict:
     p.add_argument("--wikitext", required=True, help="folder with wikitext-2's valid.txt and test.txt")
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max_rows", type=int, default=5000, help="rows in all (train + validation), 0 = all")
+    p.add_argument("--max_rows", type=int, default=0, help="rows in all (train + validation), 0 = all")
+    p.add_argument("--drop_top_words", type=int, default=20,
+                   help="drop sentences with one of each class's N most revealing words (harder task)")
     a = p.parse_args(argv)
-    train, val, stats = build(python_doc_sentences(), wikitext_sentences(a.wikitext), a.seed)
+    train, val, stats = build(python_doc_sentences(), wikitext_sentences(a.wikitext), a.seed,
+                              drop_top_words=a.drop_top_words)
     if a.max_rows:
         n_val = int(round(a.max_rows * 0.2))
         train, val = train[:a.max_rows - n_val], val[:n_val]
