@@ -90,11 +90,14 @@ def loss_and_outputs(model: nn.Module, kind: str, params, batch: dict, *, determ
                      rng: jax.Array | None = None):
     """``(mean loss, outputs)`` of one batch: ``batch`` has ``input_ids, attention_mask,
     token_type_ids [B, L]``, ``weights [B]`` (0 = padding row) and ``labels [B]`` or
-    ``start_positions, end_positions [B]``; outputs are the logits (a pair for QA)."""
+    ``start_positions, end_positions [B]`` (without them a QA loss of 0); outputs are the logits
+    (a pair for QA)."""
     rngs = {"dropout": rng} if rng is not None else {}
     out = model.apply({"params": params}, batch["input_ids"], batch["attention_mask"], batch["token_type_ids"],
                       deterministic=deterministic, rngs=rngs)
     w = batch["weights"]
+    if kind == "qa" and "start_positions" not in batch:   # validation windows carry no labels
+        return jnp.zeros((), jnp.float32), out
     if kind == "qa":
         return span_loss(out[0], out[1], batch["start_positions"], batch["end_positions"], w), out
     if kind == "regression":

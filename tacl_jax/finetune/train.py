@@ -117,7 +117,7 @@ def make_train_step(model, kind: str, tx, schedule, seed: int):
         loss, grads = jax.value_and_grad(loss_fn)(state.params)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state)
-        return new, {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": schedule(state.step)}
+        return new, {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
     return train_step
 
 
@@ -324,7 +324,7 @@ def finetune(config, workdir: str) -> dict:
                 state, m = run.train_step(state, run.put(host))
             pending.append(m)
             done = step + 1
-            if done % config.log_every == 0 or done == stop:
+            if done % config.log_every == 0 or done == steps:
                 got = jax.device_get(pending)
                 pending = []
                 loss = float(np.mean([g["loss"] for g in got]))
@@ -338,6 +338,8 @@ def finetune(config, workdir: str) -> dict:
             if config.eval_every > 0 and done % config.eval_every == 0 and done < steps:
                 writer.write(done, evaluate(run, state.params, eval_sets), steps)
         if stop > step0 or latest is None:
+            # The metrics of steps after the last logged one are not logged by a run that stops
+            # here (the resumed run logs from its own start): checkpoint at a log_every multiple.
             ckpt.save(stop, state, {"step": stop}, config, force=True)
         ckpt.wait()
         ckpt.close()
