@@ -116,6 +116,38 @@ def test_heads_carry_logical_axis_names(tmp_path):
     assert boxed["bert"]["pooler"]["kernel"].names == ("embed", "embed_out")
 
 
+@pytest.mark.slow
+def test_train_step_on_a_sharded_mesh_equals_one_device(tmp_path):
+    """The train step with params over fsdp × tensor and rows over data × fsdp (the logical rules
+    of tacl_jax.parallel) gives one device's loss and update."""
+    import flax.linen as nn
+
+    from tacl_jax import parallel
+    from tacl_jax.train import setup
+
+    pt = _torch_model(transformers.BertForSequenceClassification, num_labels=3)
+    pt.save_pretrained(tmp_path)
+    bert, bert_params = hf.load(str(tmp_path), dtype="float32", with_pooler=True, with_mlm_head=False)
+    model = heads.build_model(bert.config, "classification", 3)
+    tx, schedule = train_lib.make_optimizer(default_config().optim, 10)
+    ids, mask, types_ = _inputs(batch=4)
+    host = {"input_ids": ids.astype(np.int32), "attention_mask": mask.astype(np.int32),
+            "token_type_ids": types_.astype(np.int32), "labels": np.array([0, 2, 1, 1], np.int32),
+            "weights": np.ones(4, np.float32)}
+    got = []
+    for sizes in (dict(data=1, fsdp=1, tensor=1), dict(data=2, fsdp=2, tensor=2)):
+        mesh = parallel.make_mesh(sizes, jax.devices()[:int(np.prod(list(sizes.values())))])
+        rules = parallel.rules_from_config(())
+        state, _ = setup.create_state(model, tx, mesh, rules, 0, 17, bert_params, at="bert")
+        step = jax.jit(train_lib.make_train_step(model, "classification", tx, schedule, 0))
+        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+            state, m = step(state, parallel.global_batch(host, mesh))
+        got.append((float(m["loss"]), jax.device_get(state.params)))
+    assert got[0][0] == pytest.approx(got[1][0], rel=1e-5)
+    # Adam's first step is ±lr where a gradient is ~0: rounding may flip it, hence 2·lr.
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=4.1e-5), got[0][1], got[1][1])
+
+
 def test_weight_decay_mask_is_trainers():
     params = {"bert": {"encoder": {"layer_0": {"attention": {"query": {"kernel": np.zeros((4, 2, 2)),
                                                                          "bias": np.zeros((2, 2))}},

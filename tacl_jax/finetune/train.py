@@ -253,12 +253,12 @@ def total_steps(config, num_rows: int) -> tuple[int, int]:
 
 
 def check_config(config, mesh) -> None:
-    b, dp, procs = config.global_batch_size, parallel.data_parallel_size(mesh), jax.process_count()
+    """Batches against the data-parallel devices and the processes (each feeds an equal slice)."""
+    dp, procs = parallel.data_parallel_size(mesh), jax.process_count()
     for name in ("global_batch_size", "eval_batch_size"):
         if config[name] % dp or config[name] % procs:
             raise ConfigError(f"config.{name}={config[name]} is not divisible by the data-parallel size {dp} "
                               f"and the {procs} processes; use a multiple of {dp * procs}")
-    del b
 
 
 def finetune(config, workdir: str) -> dict:
