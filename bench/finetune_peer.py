@@ -2,7 +2,7 @@
 checkpoint fine-tuned with ``transformers`` in PyTorch (``BertForSequenceClassification``) on the
 same rows in the same order with the same numbers, then the validation accuracy/F1.
 
-    python bench/finetune_peer.py --config=configs/finetune_demo.py --seed=42 [--out=peer.json]
+    python bench/finetune_peer.py --config=configs/finetune_demo.py --seed=42 [--data_dir=DIR] [--out=peer.json]
 
 Same as tacl_jax: the tokenizer folder's fast tokenizer (max length, longest-first truncation,
 padding to max_len), labels by ``data.label_list``, the batch order
@@ -37,8 +37,13 @@ def main() -> dict:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--out", default="")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--data_dir", default="", help="train.jsonl and validation.jsonl from here instead")
     a = p.parse_args()
-    c = load_config_file(a.config, {"seed": a.seed})
+    over = {"seed": a.seed}
+    if a.data_dir:
+        over.update({"data.train_file": os.path.join(a.data_dir, "train.jsonl"),
+                     "data.validation_file": os.path.join(a.data_dir, "validation.jsonl")})
+    c = load_config_file(a.config, over)
     if a.threads:
         torch.set_num_threads(a.threads)
     torch.manual_seed(c.seed)

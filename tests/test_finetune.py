@@ -319,6 +319,9 @@ def test_init_from_a_pretraining_workdir_uses_its_export(tmp_path):
     (tmp_path / "run" / "checkpoints").mkdir()
     assert train_lib.resolve_init(str(tmp_path / "run"), str(tmp_path / "ft")) == str(final)
     assert train_lib.resolve_init("bert-base-uncased", str(tmp_path / "ft")) == "bert-base-uncased"
+    (final / "config.json").unlink()
+    with pytest.raises(train_lib.UserError, match="without a checkpoint or export/final"):
+        train_lib.resolve_init(str(tmp_path / "run"), str(tmp_path / "ft"))
 
 
 # ----------------------------------------------------------------------------- runs

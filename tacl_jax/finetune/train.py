@@ -45,29 +45,36 @@ def is_pretraining_workdir(path: str) -> bool:
 
 
 def resolve_init(path: str, workdir: str) -> str:
-    """``init.path`` -> a Hugging Face folder or Hub id for ``hf``: a pre-training workdir gives
-    its ``export/final``, or without one its latest checkpoint exported (once) to
-    ``workdir/init_export``; anything else is passed on (``hf.resolve`` reports what is missing)."""
+    """``init.path`` -> a Hugging Face folder or Hub id for ``hf``. A pre-training workdir gives its
+    latest checkpoint exported (once) to ``workdir/init_export`` as a ``BertModel`` folder (the
+    pooler included, which the classifier reads; a run without a pooler as ``BertForMaskedLM``),
+    or without checkpoints its ``export/final`` (a ``BertForMaskedLM``: no pooler, so the
+    classifier's pooler starts from the seed). Anything else is passed on (``hf.resolve`` reports
+    what is missing)."""
     if not path:
         raise ConfigError("config.init.path is empty: give a Hugging Face BERT folder or Hub id, or a "
                           "tacl_jax pre-training workdir")
     if not is_pretraining_workdir(path):
         return path
     p = os.path.expanduser(path)
+    ckpt_dir = checkpoint.checkpoint_dir(p)
+    steps = [d for d in os.listdir(ckpt_dir) if d.isdigit()] if os.path.isdir(ckpt_dir) else []
+    if steps:
+        out = os.path.join(workdir, "init_export")
+        if not os.path.isfile(os.path.join(out, "config.json")):
+            from tacl_jax import convert  # pylint: disable=import-outside-toplevel
+            try:
+                convert.export_checkpoint(p, out, head="none", overwrite="ours")
+            except ValueError:   # a BERT without a pooler (COCO-LM's main model)
+                convert.export_checkpoint(p, out, head="mlm", overwrite="ours")
+        log.info("init: the latest checkpoint of %s, exported to %s", path, out)
+        return out
     final = outputs.export_dir(p, "final")
     if os.path.isfile(os.path.join(final, "config.json")):
         log.info("init: the pre-training run's export %s", final)
         return final
-    out = os.path.join(workdir, "init_export")
-    if not os.path.isfile(os.path.join(out, "config.json")):
-        from tacl_jax import convert  # pylint: disable=import-outside-toplevel
-        try:
-            convert.export_checkpoint(p, out, head="mlm", overwrite="ours")
-        except FileNotFoundError as e:
-            raise UserError(f"config.init.path={path!r} is a tacl_jax workdir without export/final or a "
-                            f"checkpoint ({e}); point it at a run that saved one") from None
-    log.info("init: the latest checkpoint of %s, exported to %s", path, out)
-    return out
+    raise UserError(f"config.init.path={path!r} is a tacl_jax workdir without a checkpoint or export/final; "
+                    "point it at a run that saved one")
 
 
 def bert_config(config, folder: str, kind: str):
