@@ -305,6 +305,16 @@ def test_tasks_table():
         tasks.get_task(c)
 
 
+@pytest.mark.parametrize("name", ["finetune.py", "finetune_demo.py"])
+def test_shipped_finetune_configs_load_and_validate(name):
+    from tacl_jax.finetune.config import validate
+    c = load_config_file(os.path.join(ROOT, "configs", name))
+    validate(c)
+    assert tasks.get_task(c).kind == "classification"
+    with pytest.raises(tasks.ConfigError, match="global_batch_size=0: use a value > 0"):
+        validate(load_config_file(os.path.join(ROOT, "configs", name), {"global_batch_size": 0}))
+
+
 def test_batch_order_is_a_pure_function_of_seed_and_step():
     a = [data_lib.train_batch_indices(10, 4, 3, s) for s in range(4)]
     assert sorted(np.concatenate(a[:2]).tolist()) == sorted(set(np.concatenate(a[:2]).tolist()))  # no repeat in an epoch

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ml_collections
 
+from tacl_jax.errors import ConfigError
+
 
 def default_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
@@ -83,3 +85,30 @@ def default_config() -> ml_collections.ConfigDict:
     c.checkpoint.keep_every = 0
     c.checkpoint.async_save = False
     return c
+
+
+_POSITIVE = ("max_len", "global_batch_size", "eval_batch_size", "log_every", "qa.max_answer_length",
+             "qa.n_best_size", "optim.learning_rate")
+_NON_NEGATIVE = ("num_train_epochs", "num_train_steps", "steps_per_run", "eval_every", "optim.weight_decay",
+                 "optim.clip_norm", "checkpoint.every", "data.max_train_samples", "data.max_eval_samples",
+                 "qa.doc_stride")
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+    """A value that cannot run -> ``ConfigError`` naming the key and what to use."""
+    def get(path):
+        node = c
+        for part in path.split("."):
+            node = node[part]
+        return node
+    for path in _POSITIVE:
+        if not get(path) > 0:
+            raise ConfigError(f"config.{path}={get(path)!r}: use a value > 0")
+    for path in _NON_NEGATIVE:
+        if get(path) < 0:
+            raise ConfigError(f"config.{path}={get(path)!r}: use a value >= 0")
+    if c.num_train_steps == 0 and c.num_train_epochs == 0:
+        raise ConfigError("config.num_train_epochs and num_train_steps are both 0: set one of them")
+    if c.task == "qa" and c.qa.doc_stride >= c.max_len - 3:
+        raise ConfigError(f"config.qa.doc_stride={c.qa.doc_stride} leaves no room in max_len {c.max_len}: "
+                          "use a stride well below max_len (run_qa's 128 for 384)")

@@ -273,7 +273,10 @@ def finetune(config, workdir: str) -> dict:
     from tacl_jax.data.tokenization import load_tokenizer  # pylint: disable=import-outside-toplevel
     from tacl_jax.train import start  # pylint: disable=import-outside-toplevel
 
+    from tacl_jax.finetune.config import validate  # pylint: disable=import-outside-toplevel
+
     t0 = time.time()
+    validate(config)
     task = tasks.get_task(config)
     if "://" not in workdir and jax.process_index() == 0:
         os.makedirs(workdir, exist_ok=True)
