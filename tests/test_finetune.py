@@ -23,21 +23,9 @@ from tacl_jax.data.tokenization import load_tokenizer  # noqa: E402
 from tacl_jax.finetune import data as data_lib, heads, metrics, squad, tasks  # noqa: E402
 from tacl_jax.finetune import train as train_lib  # noqa: E402
 from tacl_jax.finetune.config import default_config  # noqa: E402
+from test_hf import TINY, _inputs  # noqa: E402  (the tiny architecture and padded batch of the HF tests)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = dict(vocab_size=203, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-            intermediate_size=64, max_position_embeddings=40, type_vocab_size=2)
-
-
-def _inputs(batch=3, length=17, vocab=203, seed=0):
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(5, vocab, (batch, length)).astype(np.int64)
-    mask = np.ones((batch, length), np.int64)
-    mask[1, 11:] = 0
-    ids[1, 11:] = 0
-    types_ = np.zeros_like(ids)
-    types_[:, 8:] = 1
-    return ids, mask, types_
 
 
 def _torch_model(cls, seed=0, **kw):
