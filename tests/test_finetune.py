@@ -23,21 +23,14 @@ from tacl_jax.data.tokenization import load_tokenizer  # noqa: E402
 from tacl_jax.finetune import data as data_lib, heads, metrics, squad, tasks  # noqa: E402
 from tacl_jax.finetune import train as train_lib  # noqa: E402
 from tacl_jax.finetune.config import default_config  # noqa: E402
-from test_hf import TINY, _inputs  # noqa: E402  (the tiny architecture and padded batch of the HF tests)
+import test_hf  # noqa: E402
+from test_hf import _inputs  # noqa: E402  (the padded batch of the HF tests)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _torch_model(cls, seed=0, **kw):
-    torch.manual_seed(seed)
-    cfg = transformers.BertConfig(**TINY, hidden_act="gelu", hidden_dropout_prob=0.0,
-                                  attention_probs_dropout_prob=0.0, **kw)
-    m = cls(cfg).eval()
-    with torch.no_grad():  # non-trivial LayerNorm and bias values, so a swapped tensor shows
-        for name, p in m.named_parameters():
-            if "LayerNorm" in name or name.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.1)
-    return m
+    return test_hf._torch_model(cls, seed, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **kw)
 
 
 def _ours(pt, folder, kind, num_labels):

@@ -34,9 +34,10 @@ def _inputs(batch=3, length=17, vocab=203, seed=0):
     return ids, mask, types
 
 
-def _torch_model(cls, seed=0):
+def _torch_model(cls, seed=0, **kw):
+    """A tiny transformers model of ``cls`` (``kw``: more BertConfig fields)."""
     torch.manual_seed(seed)
-    cfg = transformers.BertConfig(**TINY, hidden_act="gelu")
+    cfg = transformers.BertConfig(**{"hidden_act": "gelu", **TINY, **kw})
     m = cls(cfg).eval()
     with torch.no_grad():  # non-trivial LayerNorm and bias values, so a swapped tensor shows
         for name, p in m.named_parameters():
