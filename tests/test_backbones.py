@@ -200,24 +200,23 @@ def test_electra_equal_widths_has_no_projection(tmp_path):
 
 # ----------------------------------------------------------------------------- errors
 
-def test_unknown_model_type_is_refused_naming_the_supported(tmp_path):
-    pt = _roberta(transformers.RobertaModel)
-    pt.save_pretrained(tmp_path)
+def _folder_with_model_type(tmp_path, cls, model_type: str) -> str:
+    """A tiny RoBERTa folder of ``cls`` whose config.json claims ``model_type``."""
+    _roberta(cls).save_pretrained(tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())
-    raw["model_type"] = "deberta-v2"
+    raw["model_type"] = model_type
     (tmp_path / "config.json").write_text(json.dumps(raw))
+    return str(tmp_path)
+
+
+def test_unknown_model_type_is_refused_naming_the_supported(tmp_path):
     with pytest.raises(hf.FolderError, match=r"model_type 'deberta-v2' is not supported.*'roberta'"):
-        hf.load(str(tmp_path))
+        hf.load(_folder_with_model_type(tmp_path, transformers.RobertaModel, "deberta-v2"))
 
 
 def test_model_type_that_disagrees_with_the_tensors_is_named(tmp_path):
-    pt = _roberta(transformers.RobertaForMaskedLM)
-    pt.save_pretrained(tmp_path)
-    raw = json.loads((tmp_path / "config.json").read_text())
-    raw["model_type"] = "bert"
-    (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(hf.FolderError, match="'roberta' checkpoint: fix config.json's model_type"):
-        hf.load(str(tmp_path))
+        hf.load(_folder_with_model_type(tmp_path, transformers.RobertaForMaskedLM, "bert"))
 
 
 def test_config_field_rules():
