@@ -73,6 +73,39 @@ def test_classifier_logits_and_loss_match_transformers(tmp_path, num_labels):
                                atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["roberta", "electra"])
+def test_roberta_and_electra_classifiers_are_their_families_heads(tmp_path, family):
+    """RobertaForSequenceClassification (tanh) and ElectraForSequenceClassification (exact GELU;
+    E 16 ≠ H 32): no pooler, the first token -> dense -> act -> out_proj. Logits to 1e-5, the CE
+    loss and both head layers' gradients as torch's; the fine-tuning run's config reads no pooler."""
+    import test_backbones  # pylint: disable=import-outside-toplevel
+    build, cls = ((test_backbones._roberta, transformers.RobertaForSequenceClassification) if family == "roberta"
+                  else (test_backbones._electra, transformers.ElectraForSequenceClassification))
+    pt = build(cls, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    pt.save_pretrained(tmp_path)
+    assert train_lib.bert_config(default_config(), str(tmp_path), "classification").with_pooler is False
+    bert, params = hf.load(str(tmp_path), dtype="float32", with_pooler=False, with_mlm_head=False,
+                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = heads.build_model(bert.config, "classification", 3)
+    lin = {n: {"kernel": getattr(pt.classifier, n).weight.detach().numpy().T,
+               "bias": getattr(pt.classifier, n).bias.detach().numpy()} for n in ("dense", "out_proj")}
+    params = {"bert": params, "classifier": lin}
+    ids, mask, types_ = test_backbones._inputs(pt.config.pad_token_id)
+    labels = np.array([0, 2, 1])
+    ref = pt(torch.tensor(ids), attention_mask=torch.tensor(mask), token_type_ids=torch.tensor(types_),
+             labels=torch.tensor(labels))
+    ref.loss.backward()
+    batch = _batch(ids, mask, types_, labels=labels.astype(np.int32))
+    (loss, logits), grads = jax.value_and_grad(
+        lambda p: heads.loss_and_outputs(model, "classification", p, batch), has_aux=True)(params)
+    np.testing.assert_allclose(np.asarray(logits), ref.logits.detach().numpy(), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(float(loss), ref.loss.item(), rtol=1e-5, atol=1e-6)
+    for n in ("dense", "out_proj"):
+        np.testing.assert_allclose(np.asarray(grads["classifier"][n]["kernel"]),
+                                   getattr(pt.classifier, n).weight.grad.numpy().T, atol=1e-5, rtol=1e-4)
+    assert "pooler" not in params["bert"]
+
+
 def test_qa_logits_and_loss_match_transformers(tmp_path):
     pt = _torch_model(transformers.BertForQuestionAnswering)
     model, params = _ours(pt, tmp_path, "qa", 2)

@@ -4,7 +4,7 @@
     python -m tacl_jax.finetune --config=configs/finetune.py --workdir=DIR [--config.x.y=v]
 
 Modules: ``config`` (every key), ``tasks`` (the GLUE table), ``data`` (CSV/TSV/JSONL and the
-``datasets`` cache; tokenization; batch order), ``heads`` (BertForSequenceClassification /
-BertForQuestionAnswering in Flax), ``squad`` (windows, span decoding, EM/F1), ``metrics``
+``datasets`` cache; tokenization; batch order), ``heads`` (Bert/Roberta/ElectraForSequenceClassification
+and ForQuestionAnswering in Flax), ``squad`` (windows, span decoding, EM/F1), ``metrics``
 (numpy GLUE metrics), ``train`` (the run), ``demo_data`` (the offline demo's data set).
 """

@@ -37,7 +37,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"
     c.model.hidden_dropout_prob = -1.0   # < 0: the checkpoint's config.json value
     c.model.attention_probs_dropout_prob = -1.0
-    c.model.classifier_dropout = -1.0    # < 0: hidden_dropout_prob (BertForSequenceClassification's rule)
+    c.model.classifier_dropout = -1.0    # < 0: hidden_dropout_prob (transformers' rule)
     c.model.dropout_bits = 16
 
     c.optim = ml_collections.ConfigDict()

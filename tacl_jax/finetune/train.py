@@ -88,7 +88,7 @@ def bert_config(config, folder: str, kind: str):
         hidden_dropout_prob=base.hidden_dropout_prob if m.hidden_dropout_prob < 0 else m.hidden_dropout_prob,
         attention_probs_dropout_prob=(base.attention_probs_dropout_prob if m.attention_probs_dropout_prob < 0
                                       else m.attention_probs_dropout_prob),
-        with_pooler=kind != "qa", with_mlm_head=False, with_nsp_head=False)
+        with_pooler=kind != "qa" and heads.uses_pooler(base), with_mlm_head=False, with_nsp_head=False)
 
 
 # ----------------------------------------------------------------------------- optimizer
