@@ -611,7 +611,7 @@ def load(path: str, *, seed: int = 0, **overrides) -> tuple[BertModel, dict]:
 
 # ----------------------------------------------------------------------------- writing
 
-def _host(x) -> np.ndarray:
+def host_array(x) -> np.ndarray:
     """A (possibly sharded, possibly multi-host) array -> float32 numpy on this host."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         from jax.experimental import multihost_utils
@@ -628,23 +628,60 @@ def params_to_state_dict(params: Mapping, cfg: BertConfig, head: str = "mlm") ->
         raise ValueError(f"head={head!r}: use 'mlm' ({architecture_name(cfg, 'mlm')}) or 'none' "
                          f"({architecture_name(cfg, 'none')})")
     fam = FAMILIES[cfg.model_type]
-    p = jax.tree.map(_host, nn.meta.unbox(dict(params)))
+    p = host_tree(params, cfg)
+    pre = fam["prefix"] if head == "mlm" else ""
+    sd = encoder_state_dict(p, cfg, pre)
+    v = cfg.vocab_size
+    if head == "none":
+        if cfg.model_type != "electra":  # ElectraModel has no pooler: ours (if any) is not written
+            if "pooler" not in p:
+                raise ValueError(f"this model has no pooler; {fam['base']} needs one (build with "
+                                 "with_pooler=True)")
+            linear_to_torch(sd, "pooler.dense", p["pooler"])
+    else:
+        if "mlm_bias" not in p:
+            raise ValueError("this model has no MLM head; export with head='none'")
+        # Written under BERT's names, then renamed to the family's (RoBERTa's lm_head.*, ELECTRA's
+        # generator_predictions.* / generator_lm_head.bias).
+        head_sd: dict[str, np.ndarray] = {}
+        k = p["mlm_transform"]["kernel"]
+        head_sd["cls.predictions.transform.dense.weight"] = np.ascontiguousarray(k.T)
+        head_sd["cls.predictions.transform.dense.bias"] = p["mlm_transform"]["bias"]
+        head_sd["cls.predictions.transform.LayerNorm.weight"] = p["mlm_norm"]["scale"]
+        head_sd["cls.predictions.transform.LayerNorm.bias"] = p["mlm_norm"]["bias"]
+        head_sd["cls.predictions.bias"] = p["mlm_bias"][:v]
+        back = {dst: src for src, dst in fam["head"].items()}
+        sd.update({_rename_head(n, back): a for n, a in head_sd.items()})
+    return {k: np.ascontiguousarray(a, dtype=np.float32) for k, a in sd.items()}
+
+
+def host_tree(params: Mapping, cfg: BertConfig) -> dict:
+    """A model's params on the host, unboxed, with the layers unrolled (``encoder/layer_N``)."""
+    p = jax.tree.map(host_array, nn.meta.unbox(dict(params)))
     scanned = SCAN_NAME in p["encoder"]
     if scanned != cfg.scan_layers:
         raise ValueError(f"the parameter tree's encoder is {'scanned' if scanned else 'unrolled'} "
                          f"(encoder/{SCAN_NAME if scanned else 'layer_N'}) but the model has "
                          f"scan_layers={cfg.scan_layers}; pass the model these params belong to")
-    if scanned:
-        p = unstack_layers(p)
+    return unstack_layers(p) if scanned else p
+
+
+def linear_to_torch(sd: dict, name: str, tree: Mapping) -> None:
+    """``sd[name.weight]`` ``[out, in]`` and ``sd[name.bias]`` from our Dense ``{kernel [in..., out...], bias}``."""
+    k = tree["kernel"]
+    n_out = int(np.prod(tree["bias"].shape))
+    sd[name + ".weight"] = np.ascontiguousarray(k.reshape(-1, n_out).T)
+    sd[name + ".bias"] = tree["bias"].reshape(n_out)
+
+
+def encoder_state_dict(p: Mapping, cfg: BertConfig, pre: str) -> dict[str, np.ndarray]:
+    """The embeddings' and layers' HF tensors (names prefixed by ``pre``) of an unrolled host tree
+    (``host_tree``); vocabulary padding stripped."""
     v = cfg.vocab_size
-    pre = fam["prefix"] if head == "mlm" else ""
     sd: dict[str, np.ndarray] = {}
 
     def lin(name, tree):
-        k = tree["kernel"]
-        n_out = int(np.prod(tree["bias"].shape))
-        sd[name + ".weight"] = np.ascontiguousarray(k.reshape(-1, n_out).T)
-        sd[name + ".bias"] = tree["bias"].reshape(n_out)
+        linear_to_torch(sd, name, tree)
 
     def norm(name, tree):
         sd[name + ".weight"], sd[name + ".bias"] = tree["scale"], tree["bias"]
@@ -665,27 +702,7 @@ def params_to_state_dict(params: Mapping, cfg: BertConfig, head: str = "mlm") ->
         lin(q + "intermediate.dense", layer["intermediate"])
         lin(q + "output.dense", layer["output"])
         norm(q + "output.LayerNorm", layer["output_norm"])
-    if head == "none":
-        if cfg.model_type != "electra":  # ElectraModel has no pooler: ours (if any) is not written
-            if "pooler" not in p:
-                raise ValueError(f"this model has no pooler; {fam['base']} needs one (build with "
-                                 "with_pooler=True)")
-            lin("pooler.dense", p["pooler"])
-    else:
-        if "mlm_bias" not in p:
-            raise ValueError("this model has no MLM head; export with head='none'")
-        # Written under BERT's names, then renamed to the family's (RoBERTa's lm_head.*, ELECTRA's
-        # generator_predictions.* / generator_lm_head.bias).
-        head_sd: dict[str, np.ndarray] = {}
-        k = p["mlm_transform"]["kernel"]
-        head_sd["cls.predictions.transform.dense.weight"] = np.ascontiguousarray(k.T)
-        head_sd["cls.predictions.transform.dense.bias"] = p["mlm_transform"]["bias"]
-        head_sd["cls.predictions.transform.LayerNorm.weight"] = p["mlm_norm"]["scale"]
-        head_sd["cls.predictions.transform.LayerNorm.bias"] = p["mlm_norm"]["bias"]
-        head_sd["cls.predictions.bias"] = p["mlm_bias"][:v]
-        back = {dst: src for src, dst in fam["head"].items()}
-        sd.update({_rename_head(n, back): a for n, a in head_sd.items()})
-    return {k: np.ascontiguousarray(a, dtype=np.float32) for k, a in sd.items()}
+    return sd
 
 
 def hf_config_dict(cfg: BertConfig, head: str) -> dict:
@@ -839,11 +856,22 @@ def save(model: BertModel, params: Mapping, out_dir: str, head: str = "mlm",
     Safe to call from every process of a multi-host run: all take part in gathering sharded
     params, only process 0 checks and writes. Returns ``out_dir``.
     """
-    from safetensors.numpy import save_file
-
     _check_overwrite(overwrite)  # before the gather: the same on every process, so none waits alone
     cfg = model.config
     sd = params_to_state_dict(params, cfg, head)
+    return write_folder(sd, hf_config_dict(cfg, head), out_dir, head=head, tokenizer_from=tokenizer_from,
+                        overwrite=overwrite)
+
+
+def write_folder(sd: Mapping[str, np.ndarray], config: dict, out_dir: str, *, head: str,
+                 tokenizer_from: str | None = None, overwrite: bool | str = False) -> str:
+    """``save``'s writer: ``sd`` (HF tensor names -> host arrays) as model.safetensors, ``config``
+    as config.json (its ``architectures[0]`` is recorded in the marker with ``head``), the tokenizer
+    files and the marker, written whole beside ``out_dir`` and renamed into place (``save``'s
+    rules for ``overwrite``). Process 0 writes; the others return at once. Returns ``out_dir``."""
+    from safetensors.numpy import save_file
+
+    _check_overwrite(overwrite)
     if jax.process_index() != 0:
         return out_dir
     check_out_dir(out_dir, overwrite)
@@ -865,14 +893,14 @@ def save(model: BertModel, params: Mapping, out_dir: str, head: str = "mlm",
     try:
         save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(hf_config_dict(cfg, head), f, indent=2, sort_keys=True)
+            json.dump(config, f, indent=2, sort_keys=True)
         for n in tok_files:
             shutil.copyfile(os.path.join(tokenizer_from, n), os.path.join(tmp, n))
         files = sorted(os.listdir(tmp))
         with open(os.path.join(tmp, EXPORT_MARKER), "w") as f:
             json.dump({"written_by": "tacl_jax.hf.save", "tacl_jax": __version__,
                        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "head": head,
-                       "architecture": architecture_name(cfg, head),
+                       "architecture": config["architectures"][0],
                        "files": files,
                        "note": "a later tacl_jax export with overwrite='ours' may replace this folder "
                                "while it holds only these files"}, f, indent=2)

@@ -106,6 +106,49 @@ def test_roberta_and_electra_classifiers_are_their_families_heads(tmp_path, fami
     assert "pooler" not in params["bert"]
 
 
+@pytest.mark.parametrize("family,kind", [("bert", "classification"), ("bert", "regression"), ("bert", "qa"),
+                                         ("roberta", "classification"), ("roberta", "qa"),
+                                         ("electra", "classification"), ("electra", "qa")])
+def test_export_loads_in_transformers_with_equal_logits(tmp_path, family, kind):
+    """A fine-tuned model (encoder from a perturbed torch folder, head random with non-zero biases)
+    -> finetune.export -> transformers' *ForSequenceClassification / *ForQuestionAnswering of its
+    family with no missing or unexpected keys, the task's labels and problem_type, and logits equal
+    to ours to 1e-5."""
+    import test_backbones  # pylint: disable=import-outside-toplevel
+    from tacl_jax.finetune import export as export_lib  # pylint: disable=import-outside-toplevel
+    base = {"bert": lambda: _torch_model(transformers.BertModel),
+            "roberta": lambda: test_backbones._roberta(transformers.RobertaModel),
+            "electra": lambda: test_backbones._electra(transformers.ElectraModel)}[family]()
+    base.save_pretrained(tmp_path / "base")
+    uses_pooler = family == "bert" and kind != "qa"
+    bert, enc = hf.load(str(tmp_path / "base"), dtype="float32", with_pooler=uses_pooler, with_mlm_head=False,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, seed=3)
+    task = tasks.Task(name=kind, kind=kind, labels=("neg", "neu", "pos") if kind == "classification" else ())
+    model = heads.build_model(bert.config, kind, task.num_labels)
+    ids, mask, types_ = test_backbones._inputs(base.config.pad_token_id, types=family != "roberta")
+    params = jax.tree.map(np.asarray, model.init(jax.random.key(1), jnp.asarray(ids))["params"])
+    rng = np.random.default_rng(0)
+    head = {k: jax.tree.map(lambda a: a + 0.1 * rng.standard_normal(a.shape).astype(a.dtype), v)
+            for k, v in params.items() if k != "bert"}
+    params = {"bert": enc, **head}
+    export_lib.save(model, params, str(tmp_path / "export"), task)
+    pt = test_backbones._reload(getattr(transformers, export_lib.architecture(bert.config, kind)),
+                                str(tmp_path / "export"))
+    if kind != "qa":
+        assert pt.config.problem_type == ("regression" if kind == "regression" else "single_label_classification")
+        assert pt.config.num_labels == task.num_labels
+        if kind == "classification":
+            assert pt.config.id2label == {0: "neg", 1: "neu", 2: "pos"}
+    ours = model.apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(types_))
+    with torch.no_grad():
+        theirs = pt(torch.tensor(ids), attention_mask=torch.tensor(mask), token_type_ids=torch.tensor(types_))
+    if kind == "qa":
+        np.testing.assert_allclose(np.asarray(ours[0]), theirs.start_logits.numpy(), atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(ours[1]), theirs.end_logits.numpy(), atol=1e-5, rtol=1e-5)
+    else:
+        np.testing.assert_allclose(np.asarray(ours), theirs.logits.numpy(), atol=1e-5, rtol=1e-5)
+
+
 def test_qa_logits_and_loss_match_transformers(tmp_path):
     pt = _torch_model(transformers.BertForQuestionAnswering)
     model, params = _ours(pt, tmp_path, "qa", 2)
@@ -394,6 +437,10 @@ def test_finetune_learns_and_resume_equals_uninterrupted(tmp_path, minilm_dir):
     assert full["eval_accuracy"] >= 0.9, full
     saved = json.loads((tmp_path / "full" / "results.json").read_text())
     assert saved["eval_accuracy"] == full["eval_accuracy"] and "eval_f1" in saved and "eval_loss" in saved
+    exported = json.loads((tmp_path / "full" / "export" / "final" / "config.json").read_text())
+    assert exported["architectures"] == ["BertForSequenceClassification"]
+    assert sorted(exported["id2label"].values()) == ["no", "yes"]
+    assert (tmp_path / "full" / "export" / "final" / "tokenizer.json").is_file()
     part = train_lib.finetune(_toy_config(tmp_path, model_dir, steps_per_run=20), str(tmp_path / "split"))
     assert part["status"] == "partial" and part["step"] == 20
     last = train_lib.finetune(_toy_config(tmp_path, model_dir), str(tmp_path / "split"))

@@ -6,5 +6,5 @@
 Modules: ``config`` (every key), ``tasks`` (the GLUE table), ``data`` (CSV/TSV/JSONL and the
 ``datasets`` cache; tokenization; batch order), ``heads`` (Bert/Roberta/ElectraForSequenceClassification
 and ForQuestionAnswering in Flax), ``squad`` (windows, span decoding, EM/F1), ``metrics``
-(numpy GLUE metrics), ``train`` (the run), ``demo_data`` (the offline demo's data set).
+(numpy GLUE metrics), ``train`` (the run), ``export`` (the fine-tuned model as a transformers folder), ``demo_data`` (the offline demo's data set).
 """

@@ -25,6 +25,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.steps_per_run = 0                  # stop (with a checkpoint) after this many steps; 0 = run to the end
     c.eval_every = 0                     # evaluate on the validation split every N steps (0 = at the end only)
     c.results_file = "results.json"      # in the workdir: the final metrics, as run_glue's all_results.json
+    # Write workdir/export/final at the end: a folder transformers loads as
+    # {Bert,Roberta,Electra}ForSequenceClassification / ...ForQuestionAnswering (finetune.export).
+    c.export_at_end = True
 
     c.init = ml_collections.ConfigDict()
     # A Hugging Face BERT folder or Hub id (hf.resolve: the cache only when offline), or a

@@ -26,6 +26,7 @@ import optax
 from tacl_jax import checkpoint, hf, parallel, precision
 from tacl_jax.errors import ConfigError, UserError
 from tacl_jax.finetune import data as data_lib
+from tacl_jax.finetune import export as export_lib
 from tacl_jax.finetune import heads, metrics, squad, tasks
 from tacl_jax.train import outputs, setup
 from tacl_jax.train import optimizer as optim_lib
@@ -361,6 +362,12 @@ def finetune(config, workdir: str) -> dict:
         results = evaluate(run, state.params, eval_sets)
         writer.write(steps, results, steps)
         writer.close()
+        if config.export_at_end:
+            tok_from = config.init.tokenizer_path or folder
+            out = outputs.publish_export(workdir, "final", lambda d: export_lib.save(
+                model, state.params, d, task, tokenizer_from=tok_from, overwrite="ours"))
+            log.info("exported the fine-tuned model as a Hugging Face %s folder: %s",
+                     export_lib.architecture(model.config, task.kind), out)
         results.update({"epoch": steps / per_epoch, "train_steps": steps, "train_samples": n_train,
                         "train_loss": float(np.mean(losses)) if losses else None,
                         "train_runtime": round(time.time() - t0, 1), "task": task.name, "seed": config.seed,

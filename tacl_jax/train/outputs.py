@@ -42,13 +42,21 @@ def export_dir(workdir: str, name: str) -> str:
     return os.path.join(workdir, "export", name)
 
 
-def export(model, params, workdir: str, name: str, tok_dir: str | None) -> None:
+def publish_export(workdir: str, name: str, write) -> str:
+    """``write(folder)`` (every process calls it; process 0 writes) into ``workdir/export/name``,
+    through a local staging folder (copied up) when the workdir is remote. Returns the path."""
     out = export_dir(workdir, name)
     staging = export_dir(local_dir(workdir), name)
-    # "ours": a rerun redoes an export it wrote (whole, atomically); a user's folder is refused.
-    hf.save(model, params, staging, head="mlm", tokenizer_from=tok_dir or None, overwrite="ours")
+    write(staging)
     if staging != out and jax.process_index() == 0:
         copy_tree(staging, out)
+    return out
+
+
+def export(model, params, workdir: str, name: str, tok_dir: str | None) -> None:
+    # "ours": a rerun redoes an export it wrote (whole, atomically); a user's folder is refused.
+    out = publish_export(workdir, name, lambda d: hf.save(model, params, d, head="mlm",
+                                                         tokenizer_from=tok_dir or None, overwrite="ours"))
     log.info("exported the student as a Hugging Face %s folder: %s",
              hf.architecture_name(model.config, "mlm"), out)
 
