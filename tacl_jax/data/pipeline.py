@@ -313,7 +313,7 @@ def make_train_iterator(data_config: ml_collections.ConfigDict, *, global_batch_
       A :class:`TrainIterator` of dicts of int32 arrays ``[global_batch_size // process_count,
       max_len]`` (``next_sentence_label``: ``[rows]``).
     """
-    rows_per_process = _check_layout(global_batch_size, process_index, process_count)
+    _check_layout(global_batch_size, process_index, process_count)   # raises on a bad layout
     data_config_lib.validate(data_config)
     read_options = grain.ReadOptions(num_threads=data_config.read_threads,
                                      prefetch_buffer_size=data_config.prefetch)
