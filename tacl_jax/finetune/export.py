@@ -23,12 +23,11 @@ import numpy as np
 
 from tacl_jax import hf
 
-CLASS_PREFIX = {"bert": "Bert", "roberta": "Roberta", "electra": "Electra"}
-
-
 def architecture(cfg, kind: str) -> str:
-    """transformers' class of a fine-tuned ``cfg.model_type`` model of task ``kind``."""
-    return CLASS_PREFIX[cfg.model_type] + ("ForQuestionAnswering" if kind == "qa" else "ForSequenceClassification")
+    """transformers' class of a fine-tuned ``cfg.model_type`` model of task ``kind`` (the family's
+    base class name, ``hf.FAMILIES``, with its task suffix: BertModel -> BertForQuestionAnswering)."""
+    family = hf.FAMILIES[cfg.model_type]["base"].removesuffix("Model")
+    return family + ("ForQuestionAnswering" if kind == "qa" else "ForSequenceClassification")
 
 
 def state_dict(params, cfg, kind: str) -> dict[str, np.ndarray]:
