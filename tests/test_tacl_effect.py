@@ -88,10 +88,10 @@ def test_arm_overrides_are_valid_config_keys(tacl_effect):
 
     from tacl_jax import config as config_lib
 
-    args = argparse.Namespace(max_len=64, batch=16, lr=1e-4, seed=0)
+    args = argparse.Namespace(max_len=64, batch=16, lr=1e-4)
     for arm in list(tacl_effect.ARMS) + ["tau=0.1"]:
         objective, overrides = tacl_effect.arm_spec(arm)
-        c = tacl_effect.make_config(objective, overrides, init="/x", train="/y.txt", steps=10, args=args)
+        c = tacl_effect.make_config(objective, overrides, init="/x", train="/y.txt", steps=10, args=args, seed=0)
         for key, value in overrides.items():
             node = c
             for part in key.split("."):
@@ -126,3 +126,73 @@ def test_empty_arms_measure_the_init_only(tacl_effect):
     assert [a for a in args.arms.split(",") if a] == []
     with pytest.raises(SystemExit, match="unknown arm 'x'"):
         tacl_effect.parse_args(["--out=/tmp/effect_x", "--arms=mlm,x"])
+
+
+def test_stage1_trains_the_fixed_init_config(tacl_effect, tmp_path, monkeypatch):
+    """Stage 1 from a fresh --out (no seed chosen yet): MLM, seed 0, 16 × 64, exported, no trajectory."""
+    from tacl_jax.train import loop
+
+    seen = {}
+    monkeypatch.setattr(loop, "train_and_evaluate", lambda c, workdir: seen.update(c=c, workdir=workdir))
+    args = tacl_effect.parse_args([f"--out={tmp_path}", "--max_len=128", "--batch=4", "--measure_every=100"])
+    args.minilm, args.stage1_train = "/minilm", "/stage1.txt"
+    export = tacl_effect.stage1(args)
+    c = seen["c"]
+    assert export == str(tmp_path / "stage1" / "export" / "final") and seen["workdir"] == str(tmp_path / "stage1")
+    assert (c.objective, c.seed, c.max_len, c.global_batch_size, c.num_train_steps) == ("mlm", 0, 64, 16, 1500)
+    assert c.export_at_end and c.hf_export_every == 0 and c.init.hf_path == "/minilm"
+
+
+def test_run_arm_measures_the_exports_of_its_trajectory(tacl_effect, tmp_path, monkeypatch):
+    from tacl_jax.train import loop
+
+    class FakeState:
+        params = {"w": 0.0}
+
+    seen = {}
+
+    def train(c, workdir):
+        os.makedirs(workdir)
+        seen.update(c=c)
+        return {"state": FakeState(), "metrics": {"loss": 1.0}}
+
+    monkeypatch.setattr(loop, "train_and_evaluate", train)
+
+    class FakeMeasurer:
+        def params_of(self, folder):
+            return {"w": float(folder.rsplit("_", 1)[1])}
+
+        def __call__(self, params):
+            return {"self_similarity": [params["w"]]}
+
+    args = tacl_effect.parse_args([f"--out={tmp_path}", "--steps=1000", "--measure_every=300"])
+    args.seed, args.init, args.train = 2, "/init", "/train.txt"
+    out = tacl_effect.run_arm(args, "tacl", FakeMeasurer(), str(tmp_path))
+    assert seen["c"].hf_export_every == 300 and seen["c"].seed == 2 and seen["c"].num_train_steps == 1000
+    assert out["self_similarity"] == [0.0]
+    assert out["trajectory"] == {str(s): {"self_similarity": [float(s)]} for s in (300, 600, 900)}
+    assert not os.path.exists(tmp_path / "run_tacl")           # the run folder (and its exports) deleted
+
+
+def test_trajectory_summary_pairs_each_step_like_the_final_one(tacl_effect):
+    rng = np.random.default_rng(1)
+
+    def arm(steps):
+        r = _result(rng)
+        r["trajectory"] = {str(s): _result(rng) for s in steps}
+        return r
+
+    per_seed = {s: {"init": _result(rng), "mlm": arm((100, 200)), "tacl": arm((100, 200)), "tau=0.1": _result(rng)}
+                for s in (0, 1, 2)}
+    t = tacl_effect.trajectory_summary(per_seed, final_step=300)
+    assert list(t) == [100, 200, 300]
+    assert set(t[100]["models"]) == {"mlm", "tacl"}            # the init and an arm without a trajectory: left out
+    for step in (100, 300):
+        pick = (lambda r: r) if step == 300 else (lambda r: r["trajectory"][str(step)])
+        d = np.array([pick(r["tacl"])["self_similarity"][-1] - pick(r["mlm"])["self_similarity"][-1]
+                      for r in per_seed.values()])
+        got = t[step]["minus_baseline"]["tacl"]["self_similarity@last"]
+        assert got["mean"] == pytest.approx(d.mean(), abs=1e-12) and got["sd"] == pytest.approx(d.std(ddof=1), abs=1e-12)
+    row = tacl_effect.trajectory_table(t).splitlines()[2]
+    assert row.startswith("| 100 | ") and f"(Δ {t[100]['minus_baseline']['tacl']['self_similarity@last']['mean']:+.3f})" in row
+    assert tacl_effect.trajectory_summary({0: {"mlm": _result(rng)}}, final_step=300) == {}
