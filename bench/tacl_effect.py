@@ -113,8 +113,10 @@ def split_corpus(path: str, out_dir: str) -> tuple[str, str]:
     os.makedirs(out_dir, exist_ok=True)
     paths = os.path.join(out_dir, "stage1.txt"), os.path.join(out_dir, "stage2.txt")
     for p, part in zip(paths, (lines[:cut], lines[cut:])):
-        with open(p, "w", encoding="utf-8") as f:
+        # Atomic: runs sharing --out (arms in parallel processes) never read a half-written half.
+        with open(p + f".tmp{os.getpid()}", "w", encoding="utf-8") as f:
             f.write("\n".join(part) + "\n")
+        os.replace(p + f".tmp{os.getpid()}", p)
     return paths
 
 
