@@ -32,6 +32,10 @@ share of the variance, |mean unit state|², mean cosine to the teacher (plain) a
 common direction, at τ 0.01 and over a grid of τ; and held-out MLM/TaCL loss and accuracy (the
 training loop's eval step, fixed masks, teacher = the init).
 
+``--measure_every N``: every arm also exports its student each N steps and measures those exports
+the same way after its run (``trajectory`` in its result; ``trajectory`` in the summary pairs
+them per step with MLM-only's): how the difference grows or shrinks within one run.
+
 Every (seed, arm) result is cached in ``--out/seed_<s>/<arm>.json`` and skipped when present, so
 the study can be run piecewise; the run folders are deleted after measuring (``--keep_runs``
 keeps them). ``summary`` (from every cached result of the requested seeds and arms): per arm and
