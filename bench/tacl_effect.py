@@ -192,8 +192,8 @@ class Measurer:
         from tacl_jax.train import metrics, setup
 
         self.jax, self.jnp, self.metrics, self.isotropy, self.setup = jax, jnp, metrics, isotropy, setup
-        self.config = config = make_config("tacl", {}, init=args.init, train=args.train, steps=args.steps, args=args,
-                             seed=args.seed)
+        self.config = config = make_config("tacl", {}, init=args.init, train=args.train, steps=args.steps,
+                                           args=args, seed=args.seed)
         # The training loop's model, teacher, eval step and special ids, on one device.
         prog = setup.build_program(config, jax.devices()[:1])
         self.model, self.teacher_model, self.mesh = prog.model, prog.teacher_model, prog.mesh
