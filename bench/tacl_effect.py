@@ -38,7 +38,9 @@ them per step with MLM-only's): how the difference grows or shrinks within one r
 
 Every (seed, arm) result is cached in ``--out/seed_<s>/<arm>.json`` and skipped when present, so
 the study can be run piecewise; the run folders are deleted after measuring (``--keep_runs``
-keeps them). ``summary`` (from every cached result of the requested seeds and arms): per arm and
+keeps them). An arm that is stopped (SIGTERM, Ctrl-C, a lost machine) records nothing and keeps
+its run folder, checkpointed every ``--checkpoint_every`` steps: the same command resumes it
+where it stopped (the loop's resume is bit-exact), as it does stage 1. ``summary`` (from every cached result of the requested seeds and arms): per arm and
 measure the mean ± sd over seeds, and the paired differences arm − mlm with the count of seeds
 where the arm is lower.
 
@@ -68,6 +70,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 WIKITEXT = os.path.normpath(os.path.join(REPO, "..", "shared", "data", "wikitext-2"))
 PEER = os.path.normpath(os.path.join(REPO, "..", "shared", "bench", "torch_two_stage.py"))
+log = logging.getLogger("tacl_effect")
 
 # arm -> (objective, config overrides as dotted key -> value); tau=X is parsed by arm_spec.
 ARMS = {
@@ -141,7 +144,9 @@ def make_config(objective: str, overrides: dict, *, init: str, train: str, steps
     c.eval_every = 0
     c.eval_at_end = False          # evaluated below, identically for every model
     c.export_at_end = False
-    c.checkpoint.every = 10 ** 9   # only the final one
+    # Arms run for hours on a CPU: an interrupted one resumes from its last checkpoint (run_arm).
+    c.checkpoint.every = getattr(args, "checkpoint_every", 0)   # 0: only the final one (and on SIGTERM)
+    c.checkpoint.keep = 1
     c.hf_export_every = getattr(args, "measure_every", 0)   # the trajectory's models (stage 2)
     c.seed = seed
     return config_lib.override(c, overrides)   # dotted keys, as --config.x.y=v
@@ -161,8 +166,51 @@ def stage1(args) -> str:
     # Fixed whatever stage 2's settings: one init for every study in --out.
     c.max_len, c.global_batch_size = 64, 16
     c.export_at_end, c.hf_export_every = True, 0
-    loop.train_and_evaluate(c, os.path.join(args.out, "stage1"))
+    workdir = os.path.join(args.out, "stage1")
+    _finished(loop.train_and_evaluate(c, workdir), "stage 1", workdir)   # a rerun resumes its workdir
     return export
+
+
+def _finished(res: dict, what: str, workdir: str) -> dict:
+    """``res`` of a run that reached its last step; a stopped one (SIGTERM, Ctrl-C) is not measured."""
+    if res["status"] not in ("finished", "already_finished"):
+        raise SystemExit(f"{what} stopped before its last step ({res['status']}); nothing was recorded for it. "
+                         f"Its checkpoint is kept in {workdir}: rerun the same command to resume it.")
+    return res
+
+
+def resumable_step(workdir: str, config) -> int | None:
+    """The step an interrupted arm's run folder resumes from, or None: it is deleted and the arm
+    starts again.
+
+    The loop resumes a workdir bit-exactly (as if never stopped), so a folder whose newest
+    checkpoint was written with this arm's very config (``config.resume_changes`` refuses nothing
+    and warns of nothing: same objective, init, seed, data, steps, lr) is kept. One without a
+    checkpoint, or from other settings (the cache is by arm name, not by settings), is not."""
+    from tacl_jax import checkpoint
+    from tacl_jax import config as config_lib
+
+    if not os.path.isdir(workdir):
+        return None
+    step = saved = None
+    if os.path.isdir(checkpoint.checkpoint_dir(workdir)):
+        try:
+            ckpt = checkpoint.CheckpointManager(workdir, config.checkpoint)
+            try:
+                step = ckpt.latest_step()
+                saved = ckpt.restore_config(step) if step is not None else None
+            finally:
+                ckpt.close()
+        except Exception as e:  # pylint: disable=broad-except  # unreadable: start again
+            log.warning("%s: its checkpoint cannot be read (%s); starting the arm again", workdir, e)
+            saved = None
+    if saved and config_lib.resume_changes(saved, config) == ([], []):
+        log.info("%s: resuming the interrupted arm from its checkpoint of step %d", workdir, step)
+        return step
+    if step is not None:
+        log.info("%s: its checkpoint (step %s) is of other settings; starting the arm again", workdir, step)
+    shutil.rmtree(workdir)
+    return None
 
 
 def eval_batches(args, special: dict, vocab_size: int):
@@ -235,21 +283,27 @@ def run_arm(args, arm: str, measurer: Measurer, seed_dir: str) -> dict:
 
     objective, overrides = arm_spec(arm)
     workdir = os.path.join(seed_dir, f"run_{arm}")
-    if os.path.isdir(workdir):        # an interrupted arm: start it again (its result was never written)
-        shutil.rmtree(workdir)
+    config = make_config(objective, overrides, init=args.init, train=args.train, steps=args.steps, args=args,
+                         seed=args.seed)
+    resumed_from = resumable_step(workdir, config)    # an interrupted arm (its result was never written)
     t0 = time.perf_counter()
-    res = loop.train_and_evaluate(make_config(objective, overrides, init=args.init, train=args.train,
-                                              steps=args.steps, args=args, seed=args.seed), workdir)
+    res = _finished(loop.train_and_evaluate(config, workdir), f"arm {arm} of seed {args.seed}", workdir)
     train_s = time.perf_counter() - t0
     params = jax.device_get(res["state"].params)
     last = {k: v for k, v in res["metrics"].items() if k in ("loss", "mlm_loss", "mlm_acc", "tacl_loss", "tacl_acc")}
     del res
     out = measurer(params)
     if args.measure_every:     # the same measures of the exports written during the run
-        out["trajectory"] = {str(step): measurer(measurer.params_of(os.path.join(workdir, "export", f"step_{step}")))
-                             for step in range(args.measure_every, args.steps, args.measure_every)}
+        out["trajectory"] = {}
+        for step in range(args.measure_every, args.steps, args.measure_every):
+            folder = os.path.join(workdir, "export", f"step_{step}")
+            if not os.path.isfile(os.path.join(folder, "config.json")):
+                # only when a run was killed between its checkpoint and this export of one step
+                log.warning("%s is missing: step %d is left out of arm %s's trajectory", folder, step, arm)
+                continue
+            out["trajectory"][str(step)] = measurer(measurer.params_of(folder))
     out.update(arm=arm, objective=objective, overrides=overrides, train_last_metrics=last,
-               train_s=round(train_s, 1))
+               train_s=round(train_s, 1), resumed_from=resumed_from)
     if not args.keep_runs:
         shutil.rmtree(workdir)
     return out
@@ -439,6 +493,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also measure each arm every N steps of its run (exports ~90 MB each, deleted with the run): "
                         "the trajectory, within one learning-rate schedule")
     p.add_argument("--keep_runs", action="store_true", help="keep each arm's workdir (checkpoint ~270 MB)")
+    p.add_argument("--checkpoint_every", type=int, default=250,
+                   help="checkpoint each arm (and stage 1) every N steps, so that a stopped one resumes "
+                        "(0: only at the end and on SIGTERM)")
     p.add_argument("--peer", action="store_true", help="also run the PyTorch peer's arms")
     p.add_argument("--peer_script", default=PEER)
     p.add_argument("--peer_python", default=sys.executable)

@@ -133,7 +133,13 @@ def test_stage1_trains_the_fixed_init_config(tacl_effect, tmp_path, monkeypatch)
     from tacl_jax.train import loop
 
     seen = {}
-    monkeypatch.setattr(loop, "train_and_evaluate", lambda c, workdir: seen.update(c=c, workdir=workdir))
+    status = "finished"
+
+    def train(c, workdir):
+        seen.update(c=c, workdir=workdir)
+        return {"status": status}
+
+    monkeypatch.setattr(loop, "train_and_evaluate", train)
     args = tacl_effect.parse_args([f"--out={tmp_path}", "--max_len=128", "--batch=4", "--measure_every=100"])
     args.minilm, args.stage1_train = "/minilm", "/stage1.txt"
     export = tacl_effect.stage1(args)
@@ -141,6 +147,10 @@ def test_stage1_trains_the_fixed_init_config(tacl_effect, tmp_path, monkeypatch)
     assert export == str(tmp_path / "stage1" / "export" / "final") and seen["workdir"] == str(tmp_path / "stage1")
     assert (c.objective, c.seed, c.max_len, c.global_batch_size, c.num_train_steps) == ("mlm", 0, 64, 16, 1500)
     assert c.export_at_end and c.hf_export_every == 0 and c.init.hf_path == "/minilm"
+    assert (c.checkpoint.every, c.checkpoint.keep) == (250, 1)      # a stopped stage 1 resumes
+    status = "preempted"        # SIGTERM: no export to hand on as the init
+    with pytest.raises(SystemExit, match="stage 1 stopped before its last step .preempted.*rerun the same command"):
+        tacl_effect.stage1(args)
 
 
 def test_run_arm_measures_the_exports_of_its_trajectory(tacl_effect, tmp_path, monkeypatch):
@@ -152,9 +162,11 @@ def test_run_arm_measures_the_exports_of_its_trajectory(tacl_effect, tmp_path, m
     seen = {}
 
     def train(c, workdir):
-        os.makedirs(workdir)
+        for step in (300, 900):      # 600's export is missing (killed between checkpoint and export)
+            os.makedirs(os.path.join(workdir, "export", f"step_{step}"))
+            open(os.path.join(workdir, "export", f"step_{step}", "config.json"), "w").close()
         seen.update(c=c)
-        return {"state": FakeState(), "metrics": {"loss": 1.0}}
+        return {"state": FakeState(), "metrics": {"loss": 1.0}, "status": "finished"}
 
     monkeypatch.setattr(loop, "train_and_evaluate", train)
 
@@ -170,8 +182,85 @@ def test_run_arm_measures_the_exports_of_its_trajectory(tacl_effect, tmp_path, m
     out = tacl_effect.run_arm(args, "tacl", FakeMeasurer(), str(tmp_path))
     assert seen["c"].hf_export_every == 300 and seen["c"].seed == 2 and seen["c"].num_train_steps == 1000
     assert out["self_similarity"] == [0.0]
-    assert out["trajectory"] == {str(s): {"self_similarity": [float(s)]} for s in (300, 600, 900)}
+    assert out["trajectory"] == {str(s): {"self_similarity": [float(s)]} for s in (300, 900)}
+    assert out["resumed_from"] is None
     assert not os.path.exists(tmp_path / "run_tacl")           # the run folder (and its exports) deleted
+
+
+def _arm_args(tacl_effect, tmp_path, *flags):
+    args = tacl_effect.parse_args([f"--out={tmp_path}", *flags])
+    args.seed, args.init, args.train = 3, "/init", "/train.txt"
+    return args
+
+
+def _checkpoint_of(tacl_effect, args, arm: str, workdir: str, step: int) -> None:
+    """A real checkpoint of ``arm``'s config as run with ``args``, at ``step``."""
+    from tacl_jax import checkpoint
+
+    objective, overrides = tacl_effect.arm_spec(arm)
+    c = tacl_effect.make_config(objective, overrides, init=args.init, train=args.train, steps=args.steps,
+                                args=args, seed=args.seed)
+    ckpt = checkpoint.CheckpointManager(workdir, c.checkpoint)
+    ckpt.save(step, {"w": np.zeros(3, np.float32)}, {"pos": step}, c, force=True)
+    ckpt.wait()
+    ckpt.close()
+
+
+class _Measure:
+    params_of = None
+
+    def __call__(self, params):
+        return {"self_similarity": [params["w"]]}
+
+
+def test_an_interrupted_arm_resumes_only_with_the_same_settings(tacl_effect, tmp_path, monkeypatch):
+    """Its run folder is kept when its checkpoint was written with this very config (the loop then
+    resumes it), and deleted when written with other settings (here another --steps)."""
+    from tacl_jax.train import loop
+
+    seen = []
+
+    class State:
+        params = {"w": 1.0}
+
+    def train(c, workdir):
+        seen.append(sorted(os.listdir(os.path.join(workdir, "checkpoints"))) if os.path.isdir(workdir) else None)
+        os.makedirs(workdir, exist_ok=True)
+        return {"state": State(), "metrics": {}, "status": "finished"}
+
+    monkeypatch.setattr(loop, "train_and_evaluate", train)
+    workdir = str(tmp_path / "run_tacl")
+    args = _arm_args(tacl_effect, tmp_path, "--steps=1000")
+    _checkpoint_of(tacl_effect, args, "tacl", workdir, 500)
+    out = tacl_effect.run_arm(args, "tacl", _Measure(), str(tmp_path))
+    assert seen == [["500"]] and out["resumed_from"] == 500
+
+    _checkpoint_of(tacl_effect, _arm_args(tacl_effect, tmp_path, "--steps=2000"), "tacl", workdir, 500)
+    out = tacl_effect.run_arm(args, "tacl", _Measure(), str(tmp_path))
+    assert seen[1] is None and out["resumed_from"] is None       # deleted: another schedule
+
+    _checkpoint_of(tacl_effect, args, "tau=0.1", workdir, 500)      # another arm's loss in this folder
+    out = tacl_effect.run_arm(args, "tacl", _Measure(), str(tmp_path))
+    assert seen[2] is None and out["resumed_from"] is None
+
+
+def test_a_stopped_arm_records_nothing_and_keeps_its_checkpoint(tacl_effect, tmp_path, monkeypatch):
+    from tacl_jax.train import loop
+
+    def train(c, workdir):
+        os.makedirs(os.path.join(workdir, "checkpoints", "250"))
+        return {"state": None, "metrics": {}, "status": "preempted"}
+
+    monkeypatch.setattr(loop, "train_and_evaluate", train)
+    monkeypatch.setattr(tacl_effect, "Measurer", lambda args: _Measure())
+    args = _arm_args(tacl_effect, tmp_path)
+    seed_dir = tmp_path / "seed_3"
+    seed_dir.mkdir()
+    (seed_dir / "init.json").write_text("{}")
+    with pytest.raises(SystemExit, match=r"arm tacl of seed 3 stopped before its last step \(preempted\); "
+                                         r"nothing was recorded.*rerun the same command to resume it"):
+        tacl_effect.run_seed(args, ["tacl"])
+    assert not (seed_dir / "tacl.json").exists() and (seed_dir / "run_tacl" / "checkpoints" / "250").is_dir()
 
 
 def test_trajectory_summary_pairs_each_step_like_the_final_one(tacl_effect):
