@@ -189,28 +189,36 @@ def resumable_step(workdir: str, config) -> int | None:
     checkpoint, or from other settings (the cache is by arm name, not by settings), is not."""
     from tacl_jax import checkpoint
     from tacl_jax import config as config_lib
+    from tacl_jax import workdir as workdir_lib
 
     if not os.path.isdir(workdir):
         return None
-    step = saved = None
-    if os.path.isdir(checkpoint.checkpoint_dir(workdir)):
-        try:
-            ckpt = checkpoint.CheckpointManager(workdir, config.checkpoint)
+    try:        # never read or delete the folder of an arm still running (the same command twice)
+        lock = workdir_lib.WorkdirLock(workdir).acquire()
+    except workdir_lib.WorkdirError as e:
+        raise SystemExit(f"{workdir}: {e}") from e
+    try:
+        step = saved = None
+        if os.path.isdir(checkpoint.checkpoint_dir(workdir)):
             try:
-                step = ckpt.latest_step()
-                saved = ckpt.restore_config(step) if step is not None else None
-            finally:
-                ckpt.close()
-        except Exception as e:  # pylint: disable=broad-except  # unreadable: start again
-            log.warning("%s: its checkpoint cannot be read (%s); starting the arm again", workdir, e)
-            saved = None
-    if saved and config_lib.resume_changes(saved, config) == ([], []):
-        log.info("%s: resuming the interrupted arm from its checkpoint of step %d", workdir, step)
-        return step
-    if step is not None:
-        log.info("%s: its checkpoint (step %s) is of other settings; starting the arm again", workdir, step)
-    shutil.rmtree(workdir)
-    return None
+                ckpt = checkpoint.CheckpointManager(workdir, config.checkpoint)
+                try:
+                    step = ckpt.latest_step()
+                    saved = ckpt.restore_config(step) if step is not None else None
+                finally:
+                    ckpt.close()
+            except Exception as e:  # pylint: disable=broad-except  # unreadable: start again
+                log.warning("%s: its checkpoint cannot be read (%s); starting the arm again", workdir, e)
+                saved = None
+        if saved and config_lib.resume_changes(saved, config) == ([], []):
+            log.info("%s: resuming the interrupted arm from its checkpoint of step %d", workdir, step)
+            return step
+        if step is not None:
+            log.info("%s: its checkpoint (step %s) is of other settings; starting the arm again", workdir, step)
+        shutil.rmtree(workdir)
+        return None
+    finally:
+        lock.release()
 
 
 def eval_batches(args, special: dict, vocab_size: int):

@@ -244,6 +244,24 @@ def test_an_interrupted_arm_resumes_only_with_the_same_settings(tacl_effect, tmp
     assert seen[2] is None and out["resumed_from"] is None
 
 
+def test_the_folder_of_an_arm_still_running_is_left_alone(tacl_effect, tmp_path, monkeypatch):
+    """The same arm started twice: the second is refused, the first's folder is not deleted."""
+    from tacl_jax import workdir as workdir_lib
+    from tacl_jax.train import loop
+
+    monkeypatch.setattr(loop, "train_and_evaluate", lambda c, workdir: pytest.fail("must not train"))
+    workdir = tmp_path / "run_tacl"
+    workdir.mkdir()
+    (workdir / "events.txt").write_text("step 120")       # no checkpoint yet
+    lock = workdir_lib.WorkdirLock(str(workdir)).acquire()
+    try:
+        with pytest.raises(SystemExit, match="another run holds this workdir"):
+            tacl_effect.run_arm(_arm_args(tacl_effect, tmp_path), "tacl", _Measure(), str(tmp_path))
+    finally:
+        lock.release()
+    assert (workdir / "events.txt").read_text() == "step 120"
+
+
 def test_a_stopped_arm_records_nothing_and_keeps_its_checkpoint(tacl_effect, tmp_path, monkeypatch):
     from tacl_jax.train import loop
 
