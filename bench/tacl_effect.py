@@ -40,9 +40,9 @@ Every (seed, arm) result is cached in ``--out/seed_<s>/<arm>.json`` and skipped 
 the study can be run piecewise; the run folders are deleted after measuring (``--keep_runs``
 keeps them). An arm that is stopped (SIGTERM, Ctrl-C, a lost machine) records nothing and keeps
 its run folder, checkpointed every ``--checkpoint_every`` steps: the same command resumes it
-where it stopped (the loop's resume is bit-exact), as it does stage 1. ``summary`` (from every cached result of the requested seeds and arms): per arm and
-measure the mean ± sd over seeds, and the paired differences arm − mlm with the count of seeds
-where the arm is lower.
+where it stopped (the loop's resume is bit-exact), as it does stage 1. ``summary`` (from every
+cached result of the requested seeds and arms): per arm and measure the mean ± sd over seeds,
+and the paired differences arm − mlm with the count of seeds where the arm is lower.
 
 ``--peer``: the same arms (mlm, tacl, tau=X) also with the original's arithmetic in PyTorch
 (``--peer_script``, default ``../shared/bench/torch_two_stage.py``: transformers' BertForMaskedLM
