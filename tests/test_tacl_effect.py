@@ -153,11 +153,28 @@ def test_stage1_trains_the_fixed_init_config(tacl_effect, tmp_path, monkeypatch)
         tacl_effect.stage1(args)
 
 
+class _State:
+    params = {"w": 0.0}
+
+
+class _Measure:
+    """The measures of a model are its ``w``; an export's ``w`` is its step."""
+
+    def params_of(self, folder):
+        return {"w": float(folder.rsplit("_", 1)[1])}
+
+    def __call__(self, params):
+        return {"self_similarity": [params["w"]]}
+
+
+def _arm_args(tacl_effect, tmp_path, *flags, seed=3):
+    args = tacl_effect.parse_args([f"--out={tmp_path}", *flags])
+    args.seed, args.init, args.train = seed, "/init", "/train.txt"
+    return args
+
+
 def test_run_arm_measures_the_exports_of_its_trajectory(tacl_effect, tmp_path, monkeypatch):
     from tacl_jax.train import loop
-
-    class FakeState:
-        params = {"w": 0.0}
 
     seen = {}
 
@@ -166,31 +183,17 @@ def test_run_arm_measures_the_exports_of_its_trajectory(tacl_effect, tmp_path, m
             os.makedirs(os.path.join(workdir, "export", f"step_{step}"))
             open(os.path.join(workdir, "export", f"step_{step}", "config.json"), "w").close()
         seen.update(c=c)
-        return {"state": FakeState(), "metrics": {"loss": 1.0}, "status": "finished"}
+        return {"state": _State(), "metrics": {"loss": 1.0}, "status": "finished"}
 
     monkeypatch.setattr(loop, "train_and_evaluate", train)
 
-    class FakeMeasurer:
-        def params_of(self, folder):
-            return {"w": float(folder.rsplit("_", 1)[1])}
-
-        def __call__(self, params):
-            return {"self_similarity": [params["w"]]}
-
-    args = tacl_effect.parse_args([f"--out={tmp_path}", "--steps=1000", "--measure_every=300"])
-    args.seed, args.init, args.train = 2, "/init", "/train.txt"
-    out = tacl_effect.run_arm(args, "tacl", FakeMeasurer(), str(tmp_path))
+    args = _arm_args(tacl_effect, tmp_path, "--steps=1000", "--measure_every=300", seed=2)
+    out = tacl_effect.run_arm(args, "tacl", _Measure(), str(tmp_path))
     assert seen["c"].hf_export_every == 300 and seen["c"].seed == 2 and seen["c"].num_train_steps == 1000
     assert out["self_similarity"] == [0.0]
     assert out["trajectory"] == {str(s): {"self_similarity": [float(s)]} for s in (300, 900)}
     assert out["resumed_from"] is None
     assert not os.path.exists(tmp_path / "run_tacl")           # the run folder (and its exports) deleted
-
-
-def _arm_args(tacl_effect, tmp_path, *flags):
-    args = tacl_effect.parse_args([f"--out={tmp_path}", *flags])
-    args.seed, args.init, args.train = 3, "/init", "/train.txt"
-    return args
 
 
 def _checkpoint_of(tacl_effect, args, arm: str, workdir: str, step: int) -> None:
@@ -206,13 +209,6 @@ def _checkpoint_of(tacl_effect, args, arm: str, workdir: str, step: int) -> None
     ckpt.close()
 
 
-class _Measure:
-    params_of = None
-
-    def __call__(self, params):
-        return {"self_similarity": [params["w"]]}
-
-
 def test_an_interrupted_arm_resumes_only_with_the_same_settings(tacl_effect, tmp_path, monkeypatch):
     """Its run folder is kept when its checkpoint was written with this very config (the loop then
     resumes it), and deleted when written with other settings (here another --steps)."""
@@ -220,13 +216,10 @@ def test_an_interrupted_arm_resumes_only_with_the_same_settings(tacl_effect, tmp
 
     seen = []
 
-    class State:
-        params = {"w": 1.0}
-
     def train(c, workdir):
         seen.append(sorted(os.listdir(os.path.join(workdir, "checkpoints"))) if os.path.isdir(workdir) else None)
         os.makedirs(workdir, exist_ok=True)
-        return {"state": State(), "metrics": {}, "status": "finished"}
+        return {"state": _State(), "metrics": {}, "status": "finished"}
 
     monkeypatch.setattr(loop, "train_and_evaluate", train)
     workdir = str(tmp_path / "run_tacl")
