@@ -306,7 +306,8 @@ def run_arm(args, arm: str, measurer: Measurer, seed_dir: str) -> dict:
         for step in range(args.measure_every, args.steps, args.measure_every):
             folder = os.path.join(workdir, "export", f"step_{step}")
             if not os.path.isfile(os.path.join(folder, "config.json")):
-                # only when a run was killed between its checkpoint and this export of one step
+                # the loop redoes a lost export of the step it resumes at; one lost otherwise
+                # (removed by hand) costs that point, not the arm
                 log.warning("%s is missing: step %d is left out of arm %s's trajectory", folder, step, arm)
                 continue
             out["trajectory"][str(step)] = measurer(measurer.params_of(folder))

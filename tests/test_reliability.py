@@ -4,6 +4,7 @@ changed config on resume, a damaged or unwritable checkpoint, signals, and metri
 import json
 import os
 import pathlib
+import shutil
 import signal
 import socket
 import subprocess
@@ -110,6 +111,44 @@ def test_a_finished_run_redoes_a_lost_final_export(tmp_path, caplog):
     with caplog.at_level("INFO", logger="tacl_jax.train"):
         again = loop.train_and_evaluate(config, str(tmp_path))
     assert again["status"] == "already_finished" and "nothing to do" in caplog.text
+
+
+def _export_tensors(folder) -> dict:
+    from safetensors.numpy import load_file
+    return load_file(str(folder / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_a_resume_redoes_the_step_export_lost_after_its_checkpoint(tmp_path, caplog):
+    """A stop between step N's checkpoint and its hf_export_every export: the resume (mid-run, and
+    of a finished run) writes that export again from the restored state, equal to the lost one."""
+    config = _quick(num_train_steps=4, hf_export_every=2, steps_per_run=2)
+    config.checkpoint.every = 2
+    assert loop.train_and_evaluate(config, str(tmp_path))["status"] == "paused"
+    exports = tmp_path / "export"
+    lost = {2: _export_tensors(exports / "step_2")}
+    shutil.rmtree(exports / "step_2")
+    config.steps_per_run = 0
+    with caplog.at_level("INFO", logger="tacl_jax.train"):
+        assert loop.train_and_evaluate(config, str(tmp_path))["status"] == "finished"
+    assert "redoing the export of step 2" in caplog.text
+    lost[4] = _export_tensors(exports / "step_4")
+    shutil.rmtree(exports / "step_4")
+    caplog.clear()
+    with caplog.at_level("INFO", logger="tacl_jax.train"):
+        assert loop.train_and_evaluate(config, str(tmp_path))["status"] == "already_finished"
+    assert "redoing step_export" in caplog.text and "redoing the export of step 4" in caplog.text
+    for step, before in lost.items():
+        again = _export_tensors(exports / f"step_{step}")
+        assert again.keys() == before.keys()
+        for k in before:
+            np.testing.assert_array_equal(again[k], before[k], err_msg=f"step_{step}/{k}")
+    # Step 2 and step 4 differ: each redone export is its own step's state, not the latest.
+    assert any(not np.array_equal(lost[2][k], lost[4][k]) for k in lost[2])
+    caplog.clear()
+    with caplog.at_level("INFO", logger="tacl_jax.train"):
+        assert loop.train_and_evaluate(config, str(tmp_path))["status"] == "already_finished"
+    assert "nothing to do" in caplog.text
 
 
 # ----------------------------------------------------------------------------- the workdir

@@ -179,7 +179,7 @@ def test_run_arm_measures_the_exports_of_its_trajectory(tacl_effect, tmp_path, m
     seen = {}
 
     def train(c, workdir):
-        for step in (300, 900):      # 600's export is missing (killed between checkpoint and export)
+        for step in (300, 900):      # 600's export is missing (removed by hand)
             os.makedirs(os.path.join(workdir, "export", f"step_{step}"))
             open(os.path.join(workdir, "export", f"step_{step}", "config.json"), "w").close()
         seen.update(c=c)

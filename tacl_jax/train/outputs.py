@@ -97,11 +97,22 @@ def analyze_at_end(config, workdir: str, max_position_embeddings: int) -> dict |
     return report
 
 
+def step_export_missing(config, workdir: str, step: int) -> bool:
+    """Whether ``step``'s ``hf_export_every`` export should exist and does not: a stop between that
+    step's checkpoint and its export (the export is written after the save starts), resumed at it."""
+    every = config.hf_export_every
+    return every > 0 and step > 0 and step % every == 0 and \
+        not os.path.isfile(os.path.join(export_dir(local_dir(workdir), f"step_{step}"), "config.json"))
+
+
 def end_outputs_missing(config, workdir: str) -> set[str]:
     """What a finished run's end should have written and did not (a crash between the last
-    checkpoint and the export, an export that failed): ``{"eval", "export", "analysis"}`` subset."""
+    checkpoint and the export, an export that failed): a subset of ``{"eval", "export",
+    "analysis", "step_export"}`` (the last: the ``hf_export_every`` export of the final step)."""
     todo = set()
     local = local_dir(workdir)
+    if step_export_missing(config, workdir, config.num_train_steps):
+        todo.add("step_export")
     if config.export_at_end and not os.path.isfile(os.path.join(export_dir(local, "final"), "config.json")):
         todo.add("export")
     if config.eval_at_end and not has_eval_row(os.path.join(local, "metrics.jsonl"), config.num_train_steps):
