@@ -341,7 +341,7 @@ def _cached(path: str, fn):
         with open(path) as f:
             return json.load(f)
     res = fn()
-    tmp = path + ".tmp"
+    tmp = f"{path}.tmp{os.getpid()}"    # arms of one seed may run in parallel processes (init.json)
     with open(tmp, "w") as f:
         json.dump(res, f, indent=1)
     os.replace(tmp, path)
