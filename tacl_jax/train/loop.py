@@ -126,8 +126,9 @@ def _train(config, workdir: str, stop: signals.StopFlag) -> dict[str, Any]:
     try:
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
             # A stop between a step's checkpoint and its hf_export_every export resumes here with
-            # that export missing: write it now from the restored state (the same params).
-            if _agreed(outputs.step_export_missing(config, workdir, start)):
+            # that export missing: write it now from the restored state (the same params). Not
+            # after a stop during start-up: that run exits at once, and its resume comes here again.
+            if status == "finished" and _agreed(outputs.step_export_missing(config, workdir, start)):
                 log.info("redoing the export of step %d (the run stopped after its checkpoint, before "
                          "its hf_export_every export)", start)
                 outputs.export(prog.export_model, prog.export_params(state.params), workdir, f"step_{start}", tok_dir)
