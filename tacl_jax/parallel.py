@@ -311,6 +311,15 @@ def _gce_metadata(key: str, timeout_s: float) -> str | None:
 
 # ----------------------------------------------------------------------------- mesh
 
+def process0_decides(flag: bool) -> bool:
+    """Process 0's ``flag`` on every process (itself with one process): for a decision each host
+    makes from its own view (a lock, a local file) that leads into a collective."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))
+
+
 def mesh_shape(sizes: dict[str, int], num_devices: int) -> tuple[int, ...]:
     """Resolve ``{'data': -1, 'fsdp': 2, 'tensor': 1}`` (one ``-1`` fills the rest) to a shape
     whose product is ``num_devices``, or raise a ValueError that says how to fix the config."""

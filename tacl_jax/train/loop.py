@@ -128,7 +128,7 @@ def _train(config, workdir: str, stop: signals.StopFlag) -> dict[str, Any]:
             # A stop between a step's checkpoint and its hf_export_every export resumes here with
             # that export missing: write it now from the restored state (the same params). Not
             # after a stop during start-up: that run exits at once, and its resume comes here again.
-            if status == "finished" and _agreed(outputs.step_export_missing(config, workdir, start)):
+            if status == "finished" and parallel.process0_decides(outputs.step_export_missing(config, workdir, start)):
                 log.info("redoing the export of step %d (the run stopped after its checkpoint, before "
                          "its hf_export_every export)", start)
                 outputs.export(prog.export_model, prog.export_params(state.params), workdir, f"step_{start}", tok_dir)
@@ -191,15 +191,6 @@ def _train(config, workdir: str, stop: signals.StopFlag) -> dict[str, Any]:
     if todo:
         status = "already_finished"
     return {"state": state, "metrics": last, "model": model, "status": status}
-
-
-def _agreed(flag: bool) -> bool:
-    """Process 0's answer on every process: the export is collective, and with a remote workdir
-    each host checks its own local mirror, which may differ."""
-    if jax.process_count() == 1:
-        return flag
-    from jax.experimental import multihost_utils
-    return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))
 
 
 @jax.jit

@@ -7,9 +7,8 @@ import logging
 from typing import Any
 
 import jax
-import numpy as np
 
-from tacl_jax import checkpoint
+from tacl_jax import checkpoint, parallel
 from tacl_jax import config as config_lib
 from tacl_jax import workdir as workdir_lib
 
@@ -26,8 +25,7 @@ def hold_workdir(workdir: str) -> workdir_lib.WorkdirLock:
     except workdir_lib.WorkdirError as e:
         error = e
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        ok = bool(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
+        ok = parallel.process0_decides(error is None)
         if not ok and error is None:
             raise workdir_lib.WorkdirError(f"process 0 could not take the lock of {workdir} (see its log)")
     if error is not None:
