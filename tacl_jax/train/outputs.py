@@ -101,8 +101,12 @@ def step_export_missing(config, workdir: str, step: int) -> bool:
     """Whether ``step``'s ``hf_export_every`` export should exist and does not: a stop between that
     step's checkpoint and its export (the export is written after the save starts), resumed at it."""
     every = config.hf_export_every
-    return every > 0 and step > 0 and step % every == 0 and \
-        not os.path.isfile(os.path.join(export_dir(local_dir(workdir), f"step_{step}"), "config.json"))
+    return every > 0 and step > 0 and step % every == 0 and not export_written(workdir, f"step_{step}")
+
+
+def export_written(workdir: str, name: str) -> bool:
+    """Whether the export ``name`` ("final", "step_N") is there (``hf.save`` publishes a folder whole)."""
+    return os.path.isfile(os.path.join(export_dir(local_dir(workdir), name), "config.json"))
 
 
 def end_outputs_missing(config, workdir: str) -> set[str]:
@@ -113,7 +117,7 @@ def end_outputs_missing(config, workdir: str) -> set[str]:
     local = local_dir(workdir)
     if step_export_missing(config, workdir, config.num_train_steps):
         todo.add("step_export")
-    if config.export_at_end and not os.path.isfile(os.path.join(export_dir(local, "final"), "config.json")):
+    if config.export_at_end and not export_written(workdir, "final"):
         todo.add("export")
     if config.eval_at_end and not has_eval_row(os.path.join(local, "metrics.jsonl"), config.num_train_steps):
         todo.add("eval")
