@@ -44,11 +44,14 @@ where it stopped (the loop's resume is bit-exact), as it does stage 1. ``summary
 cached result of the requested seeds and arms): per arm and measure the mean ± sd over seeds,
 and the paired differences arm − mlm with the count of seeds where the arm is lower.
 
-``--peer``: the same arms (mlm, tacl, tau=X) also with the original's arithmetic in PyTorch
-(``--peer_script``, default ``../shared/bench/torch_two_stage.py``: transformers' BertForMaskedLM
-student and a frozen BertModel teacher from the same init folder, cosine / τ over the same
-sequence's teacher states, 15% anchors 80/10/10, AdamW eps 1e-6), which reports its own
-last-layer self-similarity (its own sentence sample); summarised beside ours as ``peer``.
+``--peer``: the arms also with the original's arithmetic in PyTorch (``--peer_script``, default
+``bench/torch_peer.py``: transformers' BertForMaskedLM student and a frozen BertModel teacher from
+the same init folder, cosine / τ over the same sequence's teacher states, 15% anchors 80/10/10,
+AdamW eps 1e-6; independent of tacl_jax). It runs mlm, tacl, tacl_only, teacher_dropout,
+all_positions and tau=X (its rows are full, without [PAD], so keep_pad_keys has nothing to keep
+there), measures per layer on its own sentence sample (plain self-similarity, the masked-anchor
+one, cosine to the teacher) with a trajectory when ``--measure_every`` is set; summarised beside
+ours as ``peer:<arm>``. Run peer arms one process at a time: each uses 2 threads.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 WIKITEXT = os.path.normpath(os.path.join(REPO, "..", "shared", "data", "wikitext-2"))
-PEER = os.path.normpath(os.path.join(REPO, "..", "shared", "bench", "torch_two_stage.py"))
+PEER = os.path.join(REPO, "bench", "torch_peer.py")
 log = logging.getLogger("tacl_effect")
 
 # arm -> (objective, config overrides as dotted key -> value); tau=X is parsed by arm_spec.
@@ -81,7 +84,13 @@ ARMS = {
     "keep_pad_keys": ("tacl", {"tacl.mask_pad_keys": False}),
     "all_positions": ("tacl", {"tacl.anchors": "all"}),
 }
-PEER_ARMS = ("mlm", "tacl")           # and tau=X
+# The peer's command-line flags for each config override an arm may carry (tau=X: --tau).
+PEER_FLAGS = {
+    ("loss_weights.mlm", 0.0): ["--mlm_weight", "0"],
+    ("tacl.teacher_dropout", True): ["--teacher_dropout"],
+    ("tacl.anchors", "all"): ["--anchors", "all"],
+}
+PEER_ARMS = ("mlm", "tacl", "tacl_only", "teacher_dropout", "all_positions")    # and tau=X
 # The measures summarised per layer (tacl_jax.isotropy), and the held-out metrics.
 LAYER_MEASURES = ("self_similarity", "masked_anchor_self_similarity", "top_pc_share", "mean_norm_sq",
                   "cosine_to_teacher", "anchor_cosine_to_teacher")
@@ -318,15 +327,28 @@ def run_arm(args, arm: str, measurer: Measurer, seed_dir: str) -> dict:
     return out
 
 
-def run_peer(args, arm: str) -> dict:
-    """One arm of the PyTorch peer (``--peer_script``); its last JSON line."""
+def peer_command(args, arm: str) -> list[str]:
+    """The peer's command line for ``arm`` (``--peer_script``); a clear error for an arm it lacks."""
     objective, overrides = arm_spec(arm) if arm != "init" else ("init", {})
-    if set(overrides) - {"tacl.temperature"}:
-        raise SystemExit(f"the peer has no arm {arm!r}: it runs init, {', '.join(PEER_ARMS)} and tau=X")
+    flags = []
+    for key, value in overrides.items():
+        if key == "tacl.temperature":
+            continue
+        if (key, value) not in PEER_FLAGS:
+            raise SystemExit(f"the peer has no arm {arm!r}: it runs init, {', '.join(PEER_ARMS)} and tau=X"
+                             + (" (its rows have no [PAD] keys to keep)" if arm == "keep_pad_keys" else ""))
+        flags += PEER_FLAGS[(key, value)]
     cmd = [args.peer_python, args.peer_script, "--init", args.init, "--train", args.train, "--heldout", args.heldout,
            "--objective", objective, "--steps", str(args.steps), "--batch", str(args.batch), "--seq",
            str(args.max_len), "--lr", str(args.lr), "--seed", str(args.seed), "--sentences", str(args.sentences),
            "--tau", str(overrides.get("tacl.temperature", 0.01))]
+    # only when set: the default arms' command stays the one every peer script takes
+    return cmd + flags + (["--measure_every", str(args.measure_every)] if args.measure_every else [])
+
+
+def run_peer(args, arm: str) -> dict:
+    """One arm of the PyTorch peer (``--peer_script``); its last JSON line."""
+    cmd = peer_command(args, arm)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -362,7 +384,10 @@ def run_seed(args, arms: list[str]) -> dict:
     for arm in arms:
         results[arm] = _cached(os.path.join(seed_dir, f"{arm}.json"), lambda: run_arm(args, arm, get_measurer(), seed_dir))
     if args.peer:
-        for arm in ["init"] + [a for a in arms if a in PEER_ARMS or a.startswith("tau=")]:
+        peer_arms = [a for a in arms if a in PEER_ARMS or a.startswith("tau=")]
+        if set(arms) - set(peer_arms):
+            log.info("the peer has no arm %s (its rows have no [PAD] keys)", ", ".join(sorted(set(arms) - set(peer_arms))))
+        for arm in ["init"] + peer_arms:
             results[f"peer:{arm}"] = _cached(os.path.join(seed_dir, f"peer_{arm}.json"), lambda: run_peer(args, arm))
     return results
 
@@ -506,7 +531,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="checkpoint each arm (and stage 1) every N steps, so that a stopped one resumes "
                         "(0: only at the end and on SIGTERM)")
     p.add_argument("--peer", action="store_true", help="also run the PyTorch peer's arms")
-    p.add_argument("--peer_script", default=PEER)
+    p.add_argument("--peer_script", default=PEER, help="the PyTorch peer (its flags as bench/torch_peer.py's)")
     p.add_argument("--peer_python", default=sys.executable)
     args = p.parse_args(argv)
     args.out = os.path.abspath(args.out)

@@ -121,6 +121,29 @@ def test_the_peers_number_is_its_last_layer_self_similarity(tacl_effect):
     assert "| peer:tacl | 0.289 ± 0.000 (Δ +0.117" in tacl_effect.table(s)
 
 
+def test_each_peer_arm_reaches_the_peer_as_its_settings(tacl_effect, monkeypatch):
+    """The peer's command line for every arm it runs, parsed by bench/torch_peer.py itself."""
+    pytest.importorskip("torch")  # in the test extras; never skipped in CI
+    spec = importlib.util.spec_from_file_location("torch_peer", tacl_effect.PEER)
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    args = tacl_effect.parse_args(["--out=/tmp/effect_x", "--init=/m", "--steps=900", "--seeds=3"])
+    args.train, args.seed = "/s2.txt", 3
+    want = {"mlm": ("mlm", 1.0, "masked", False, 0.01), "tacl": ("tacl", 1.0, "masked", False, 0.01),
+            "tacl_only": ("tacl", 0.0, "masked", False, 0.01), "teacher_dropout": ("tacl", 1.0, "masked", True, 0.01),
+            "all_positions": ("tacl", 1.0, "all", False, 0.01), "tau=0.1": ("tacl", 1.0, "masked", False, 0.1)}
+    assert set(want) - {"tau=0.1"} == set(tacl_effect.PEER_ARMS)
+    for arm, (objective, mlm_weight, anchors, dropout, tau) in want.items():
+        a = peer.parse_args(tacl_effect.peer_command(args, arm)[2:])
+        assert (a.objective, a.mlm_weight, a.anchors, a.teacher_dropout, a.tau) == (objective, mlm_weight, anchors,
+                                                                                   dropout, tau), arm
+        assert (a.init, a.train, a.steps, a.seed, a.measure_every) == ("/m", "/s2.txt", 900, 3, 0)
+    args.measure_every = 300
+    assert peer.parse_args(tacl_effect.peer_command(args, "tacl")[2:]).measure_every == 300
+    with pytest.raises(SystemExit, match=r"no arm 'keep_pad_keys'.*no \[PAD\] keys"):
+        tacl_effect.peer_command(args, "keep_pad_keys")
+
+
 def test_empty_arms_measure_the_init_only(tacl_effect):
     args = tacl_effect.parse_args(["--out=/tmp/effect_x", "--arms="])
     assert [a for a in args.arms.split(",") if a] == []

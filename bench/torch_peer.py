@@ -1,0 +1,235 @@
+#!/usr/bin/env python3
+"""The effect study's PyTorch peer: TaCL with the original's arithmetic, and its measures.
+
+Independent of tacl_jax (torch + transformers only), so that a claim of ``bench/tacl_effect.py``
+about TaCL's effect can be set beside the same run in another implementation. From an
+MLM-trained BERT folder (student init = frozen teacher), trains ``--objective`` (mlm, tacl, or
+init: no training) on rows of ``--train`` and measures the student on sentences of ``--heldout``.
+Prints JSON lines; the last is the result.
+
+Training, as the authors' ``bert_contrastive.py`` computes it:
+  rows       the text's sub-word ids cut into full rows of ``--seq`` ([CLS] ids [SEP]; no [PAD]);
+             each step ``--batch`` rows drawn at random with replacement
+  masking    each non-special token selected with probability 0.15, of those 80% → [MASK], 10% →
+             a random id ≥ 999, 10% kept (redrawn every step)
+  MLM        cross-entropy at the selected positions (weight ``--mlm_weight``; 0 = TaCL only)
+  TaCL       cosine(student's last layer on the masked row, frozen teacher's on the plain row) / τ
+             against every position of the same row; the positive is the same position; averaged
+             over the anchors: the selected positions, or every position (``--anchors=all``)
+  teacher    deterministic, or with its dropout on (``--teacher_dropout``: the authors' code)
+  optimiser  AdamW (eps 1e-6, no weight decay), ``--lr`` after 10% linear warm-up, linear decay to
+             0, gradient clipping at 1.0; fp32
+There is no [PAD] in these rows, so the question of masking [PAD] keys does not arise here.
+
+Measures (per layer, 0 = embeddings; ``--sentences`` held-out sentences of ≥ 5 words as
+``[CLS] sentence [SEP]``, one at a time, eval mode, a sample fixed by ``--sentence_seed``):
+  self_similarity                mean cosine over the token pairs i < j of a sentence,
+                                 micro-averaged over the sentences (the paper's statistic)
+  masked_anchor_self_similarity  the same over the pairs of anchors only, on the sentence masked
+                                 as in training (fixed generator ``--sentence_seed``): the states
+                                 TaCL's loss acts on
+  cosine_to_teacher              cosine of student and teacher at the same token, plain input
+  anchor_cosine_to_teacher       student on the masked input vs teacher on the plain, at the anchors
+``--measure_every N`` also measures the student every N steps (``trajectory``); measuring draws
+nothing from the training's random streams, so the end result is the same with or without it.
+
+  python bench/torch_peer.py --init DIR --train stage2.txt --heldout test.txt --objective tacl --steps 600
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import time
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoTokenizer, BertForMaskedLM, BertModel
+
+MASK_PROB = 0.15
+FIRST_RANDOM_ID = 999     # BERT's vocab: ids below are [PAD], [unused*], [UNK], [CLS], [SEP], [MASK]
+
+
+def train_rows(path: str, tok, seq: int) -> torch.Tensor:
+    """``[N, seq]`` rows: the file's sub-word ids in order, cut into ``seq − 2`` pieces, each
+    wrapped in [CLS] … [SEP]; the ragged tail is dropped."""
+    with open(path, encoding="utf-8") as f:
+        ids = tok(f.read(), add_special_tokens=False)["input_ids"]
+    body = seq - 2
+    starts = range(0, len(ids) - body, body)
+    return torch.tensor([[tok.cls_token_id, *ids[s:s + body], tok.sep_token_id] for s in starts], dtype=torch.long)
+
+
+def bert_mask(x: torch.Tensor, tok, g: torch.Generator):
+    """BERT's masking of ``x [B, L]``: ``(masked input, selected [B, L] bool)``; draws from ``g``
+    in a fixed order (selection, replacement kind, random ids)."""
+    specials = torch.tensor([tok.cls_token_id, tok.sep_token_id, tok.pad_token_id])
+    selected = (torch.rand(x.shape, generator=g) < MASK_PROB) & ~torch.isin(x, specials)
+    kind = torch.rand(x.shape, generator=g)
+    out = x.clone()
+    out[selected & (kind < 0.8)] = tok.mask_token_id
+    swap = selected & (kind >= 0.8) & (kind < 0.9)
+    out[swap] = torch.randint(FIRST_RANDOM_ID, tok.vocab_size, (int(swap.sum()),), generator=g)
+    return out, selected
+
+
+def contrastive_nll(student_last: torch.Tensor, teacher_last: torch.Tensor, tau: float) -> torch.Tensor:
+    """``[B·L]`` TaCL loss per position: −log softmax_j(cos(s_i, t_j) / τ) at j = i, over the
+    positions j of the same row. ``student_last``/``teacher_last``: ``[B, L, H]``."""
+    b, length, _ = student_last.shape
+    scores = torch.einsum("bid,bjd->bij", F.normalize(student_last, dim=-1), F.normalize(teacher_last, dim=-1)) / tau
+    target = torch.arange(length).expand(b, -1)
+    return F.cross_entropy(scores.reshape(-1, length), target.reshape(-1), reduction="none")
+
+
+def heldout_sentences(path: str, n: int, seed: int) -> list[str]:
+    """``n`` sentences of ≥ 5 words from a wikitext file (headings skipped, lines cut at " . "),
+    shuffled with ``seed``."""
+    with open(path, encoding="utf-8") as f:
+        lines = [line.strip() for line in f if line.strip() and not line.strip().startswith("=")]
+    sentences = [s.strip() + " ." for line in lines for s in re.split(r" \. ", line) if len(s.split()) >= 5]
+    random.Random(seed).shuffle(sentences)
+    return sentences[:n]
+
+
+def _pair_sum(u: torch.Tensor) -> tuple[float, int]:
+    """Σ over pairs i < j of the cosines of unit rows ``u [n, H]``, and the pair count."""
+    c = u @ u.T
+    iu = torch.triu_indices(c.shape[0], c.shape[0], 1)
+    return float(c[iu[0], iu[1]].sum()), iu.shape[1]
+
+
+@torch.no_grad()
+def measure(student: BertModel, teacher: BertModel, tok, sentences: list[str], mask_seed: int) -> dict:
+    """The module doc's measures of ``student`` beside ``teacher``: name -> per-layer list."""
+    was_training = student.training
+    student.eval()
+    g = torch.Generator().manual_seed(mask_seed)
+    n_layers = student.config.num_hidden_layers + 1
+    sums = {k: [0.0] * n_layers for k in ("pairs", "anchor_pairs", "cos", "anchor_cos")}
+    counts = {k: 0 for k in ("pairs", "anchor_pairs", "tokens", "anchors")}
+    counts["anchor_pairs"] = [0] * n_layers
+    for s in sentences:
+        enc = tok(s, return_tensors="pt", truncation=True, max_length=128)
+        x = enc["input_ids"]
+        masked, sel = bert_mask(x, tok, g)
+        plain = student(**enc, output_hidden_states=True).hidden_states
+        on_masked = student(input_ids=masked, attention_mask=enc["attention_mask"], output_hidden_states=True).hidden_states
+        ref = teacher(**enc, output_hidden_states=True).hidden_states
+        anchors = sel[0]
+        for layer in range(n_layers):
+            h = F.normalize(plain[layer][0], dim=-1)
+            hm = F.normalize(on_masked[layer][0], dim=-1)
+            t = F.normalize(ref[layer][0], dim=-1)
+            total, pairs = _pair_sum(h)
+            sums["pairs"][layer] += total
+            sums["cos"][layer] += float((h * t).sum())
+            if anchors.any():
+                total, anchor_pairs = _pair_sum(hm[anchors])
+                sums["anchor_pairs"][layer] += total
+                counts["anchor_pairs"][layer] += anchor_pairs
+                sums["anchor_cos"][layer] += float((hm[anchors] * t[anchors]).sum())
+        counts["pairs"] += pairs
+        counts["tokens"] += x.shape[1]
+        counts["anchors"] += int(anchors.sum())
+    student.train(was_training)
+    return dict(
+        self_similarity=[v / counts["pairs"] for v in sums["pairs"]],
+        masked_anchor_self_similarity=[v / max(c, 1) for v, c in zip(sums["anchor_pairs"], counts["anchor_pairs"])],
+        cosine_to_teacher=[v / counts["tokens"] for v in sums["cos"]],
+        anchor_cosine_to_teacher=[v / max(counts["anchors"], 1) for v in sums["anchor_cos"]],
+        sentences=len(sentences), anchors=counts["anchors"])
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--init", required=True, help="an MLM-trained BERT folder (student init and teacher)")
+    ap.add_argument("--train", help="text file of the training rows (not needed for --objective=init)")
+    ap.add_argument("--heldout", required=True, help="wikitext file of the measured sentences")
+    ap.add_argument("--objective", choices=["mlm", "tacl", "init"], default="tacl")
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--tau", type=float, default=0.01)
+    ap.add_argument("--mlm_weight", type=float, default=1.0, help="0: TaCL alone")
+    ap.add_argument("--anchors", choices=["masked", "all"], default="masked")
+    ap.add_argument("--teacher_dropout", action="store_true", help="the teacher in train mode (the authors' code)")
+    ap.add_argument("--seed", type=int, default=0, help="rows, masks, dropout")
+    ap.add_argument("--sentences", type=int, default=500)
+    ap.add_argument("--sentence_seed", type=int, default=1234, help="the measured sentences and their masks")
+    ap.add_argument("--measure_every", type=int, default=0, help="also measure every N steps (trajectory)")
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args(argv)
+    if a.objective != "init" and not a.train:
+        ap.error(f"--objective={a.objective} trains: pass --train=<text file>")
+    if a.objective == "mlm" and (a.mlm_weight != 1.0 or a.anchors != "masked" or a.teacher_dropout):
+        ap.error("--mlm_weight, --anchors and --teacher_dropout are TaCL's options: use --objective=tacl")
+    return a
+
+
+def main(argv=None) -> dict:
+    a = parse_args(argv)
+
+    torch.manual_seed(a.seed)
+    torch.set_num_threads(a.threads)
+    tok = AutoTokenizer.from_pretrained(a.init)
+    student = BertForMaskedLM.from_pretrained(a.init)
+    teacher = BertModel.from_pretrained(a.init, add_pooling_layer=False).eval()
+    teacher.requires_grad_(False)
+    sentences = heldout_sentences(a.heldout, a.sentences, a.sentence_seed)
+    res = {k: getattr(a, k) for k in ("objective", "seed", "steps", "tau", "mlm_weight", "anchors", "teacher_dropout")}
+    if a.objective != "init":
+        res["trajectory"] = {}
+        rows = train_rows(a.train, tok, a.seq)
+        g = torch.Generator().manual_seed(a.seed)
+        opt = torch.optim.AdamW(student.parameters(), lr=a.lr, eps=1e-6, weight_decay=0.0)
+        warm = max(1, a.steps // 10)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: s / warm if s < warm else max(0.0, (a.steps - s) / max(1, a.steps - warm)))
+        student.train()
+        t0 = time.time()
+        for step in range(a.steps):
+            x = rows[torch.randint(0, rows.shape[0], (a.batch,), generator=g)]
+            inp, sel = bert_mask(x, tok, g)
+            out = student(input_ids=inp, output_hidden_states=True)
+            mlm = F.cross_entropy(out.logits.view(-1, out.logits.shape[-1]), x.masked_fill(~sel, -100).view(-1),
+                                  ignore_index=-100)
+            loss = mlm
+            if a.objective == "tacl":
+                teacher.train(a.teacher_dropout)
+                with torch.no_grad():
+                    t = teacher(input_ids=x).last_hidden_state
+                nll = contrastive_nll(out.hidden_states[-1], t, a.tau)
+                anchors = (sel if a.anchors == "masked" else torch.ones_like(sel)).reshape(-1).float()
+                tacl = (nll * anchors).sum() / anchors.sum().clamp(min=1)
+                # 1.0 × mlm is mlm to the bit; weight 0 leaves MLM out of the graph entirely
+                loss = tacl if a.mlm_weight == 0 else (mlm if a.mlm_weight == 1.0 else a.mlm_weight * mlm) + tacl
+                res["tacl_loss_last"] = tacl.item()
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            if step % 100 == 0:
+                print(json.dumps({"step": step, "loss": loss.item(), "mlm": mlm.item()}), flush=True)
+            done = step + 1
+            if a.measure_every and done % a.measure_every == 0 and done < a.steps:
+                teacher.eval()
+                res["trajectory"][str(done)] = measure(student.bert, teacher, tok, sentences, a.sentence_seed)
+                print(json.dumps({"step": done, "self_similarity@last":
+                                  res["trajectory"][str(done)]["self_similarity"][-1]}), flush=True)
+        res["train_s"] = round(time.time() - t0, 1)
+        res["mlm_loss_last"] = mlm.item()
+    teacher.eval()
+    res.update(measure(student.bert, teacher, tok, sentences, a.sentence_seed))
+    res["last_layer_self_similarity"] = res["self_similarity"][-1]
+    print(json.dumps(res), flush=True)
+    return res
+
+
+if __name__ == "__main__":
+    main()
