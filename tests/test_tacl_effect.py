@@ -1,21 +1,17 @@
 """bench/tacl_effect.py's statistics (paired differences, sign counts) against numpy on made-up
 per-seed results, its arms and its corpus split."""
 
-import importlib.util
 import os
 
 import numpy as np
 import pytest
+from bench_module import BENCH, load_bench
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "tacl_effect.py")
 
 
 @pytest.fixture(scope="module")
 def tacl_effect():
-    spec = importlib.util.spec_from_file_location("tacl_effect", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("tacl_effect")
 
 
 def _result(rng, layers=3):
@@ -124,9 +120,8 @@ def test_the_peers_number_is_its_last_layer_self_similarity(tacl_effect):
 def test_each_peer_arm_reaches_the_peer_as_its_settings(tacl_effect, monkeypatch):
     """The peer's command line for every arm it runs, parsed by bench/torch_peer.py itself."""
     pytest.importorskip("torch")  # in the test extras; never skipped in CI
-    spec = importlib.util.spec_from_file_location("torch_peer", tacl_effect.PEER)
-    peer = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(peer)
+    peer = load_bench("torch_peer")
+    assert tacl_effect.PEER == str(BENCH / "torch_peer.py")     # the default peer: the repo's own
     args = tacl_effect.parse_args(["--out=/tmp/effect_x", "--init=/m", "--steps=900", "--seeds=3"])
     args.train, args.seed = "/s2.txt", 3
     want = {"mlm": ("mlm", 1.0, "masked", False, 0.01), "tacl": ("tacl", 1.0, "masked", False, 0.01),

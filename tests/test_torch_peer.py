@@ -1,17 +1,16 @@
 """bench/torch_peer.py (the effect study's PyTorch peer) against naive numpy loops on a tiny BERT:
 its TaCL loss, its masking, its per-layer measures, and that measuring mid-run changes nothing."""
 
-import importlib.util
 import os
 import shutil
 
 import numpy as np
 import pytest
+from bench_module import load_bench
 
 torch = pytest.importorskip("torch")  # in the test extras; never skipped in CI
 transformers = pytest.importorskip("transformers")
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "torch_peer.py")
 TEXT = ("The tower is 324 metres tall , about the same height as an 81 @-@ storey building . "
         "It was the first structure to reach a height of 300 metres . Its base is square , measuring "
         "125 metres on each side . During its construction , it surpassed the Washington Monument . ")
@@ -19,10 +18,7 @@ TEXT = ("The tower is 324 metres tall , about the same height as an 81 @-@ store
 
 @pytest.fixture(scope="module")
 def peer():
-    spec = importlib.util.spec_from_file_location("torch_peer", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("torch_peer")
 
 
 @pytest.fixture(scope="module")
