@@ -94,11 +94,11 @@ def heldout_sentences(path: str, n: int, seed: int) -> list[str]:
     return sentences[:n]
 
 
-def _pair_sum(u: torch.Tensor) -> tuple[float, int]:
-    """Σ over pairs i < j of the cosines of unit rows ``u [n, H]``, and the pair count."""
+def _pair_sum(u: torch.Tensor) -> float:
+    """Σ over pairs i < j of the cosines of unit rows ``u [n, H]``."""
     c = u @ u.T
     iu = torch.triu_indices(c.shape[0], c.shape[0], 1)
-    return float(c[iu[0], iu[1]].sum()), iu.shape[1]
+    return float(c[iu[0], iu[1]].sum())
 
 
 @torch.no_grad()
@@ -109,8 +109,7 @@ def measure(student: BertModel, teacher: BertModel, tok, sentences: list[str], m
     g = torch.Generator().manual_seed(mask_seed)
     n_layers = student.config.num_hidden_layers + 1
     sums = {k: [0.0] * n_layers for k in ("pairs", "anchor_pairs", "cos", "anchor_cos")}
-    counts = {k: 0 for k in ("pairs", "anchor_pairs", "tokens", "anchors")}
-    counts["anchor_pairs"] = [0] * n_layers
+    counts = dict(pairs=0, anchor_pairs=0, tokens=0, anchors=0)
     for s in sentences:
         enc = tok(s, return_tensors="pt", truncation=True, max_length=128)
         x = enc["input_ids"]
@@ -123,21 +122,20 @@ def measure(student: BertModel, teacher: BertModel, tok, sentences: list[str], m
             h = F.normalize(plain[layer][0], dim=-1)
             hm = F.normalize(on_masked[layer][0], dim=-1)
             t = F.normalize(ref[layer][0], dim=-1)
-            total, pairs = _pair_sum(h)
-            sums["pairs"][layer] += total
+            sums["pairs"][layer] += _pair_sum(h)
             sums["cos"][layer] += float((h * t).sum())
             if anchors.any():
-                total, anchor_pairs = _pair_sum(hm[anchors])
-                sums["anchor_pairs"][layer] += total
-                counts["anchor_pairs"][layer] += anchor_pairs
+                sums["anchor_pairs"][layer] += _pair_sum(hm[anchors])
                 sums["anchor_cos"][layer] += float((hm[anchors] * t[anchors]).sum())
-        counts["pairs"] += pairs
-        counts["tokens"] += x.shape[1]
-        counts["anchors"] += int(anchors.sum())
+        n, n_anchors = x.shape[1], int(anchors.sum())
+        counts["pairs"] += n * (n - 1) // 2
+        counts["anchor_pairs"] += n_anchors * (n_anchors - 1) // 2
+        counts["tokens"] += n
+        counts["anchors"] += n_anchors
     student.train(was_training)
     return dict(
         self_similarity=[v / counts["pairs"] for v in sums["pairs"]],
-        masked_anchor_self_similarity=[v / max(c, 1) for v, c in zip(sums["anchor_pairs"], counts["anchor_pairs"])],
+        masked_anchor_self_similarity=[v / max(counts["anchor_pairs"], 1) for v in sums["anchor_pairs"]],
         cosine_to_teacher=[v / counts["tokens"] for v in sums["cos"]],
         anchor_cosine_to_teacher=[v / max(counts["anchors"], 1) for v in sums["anchor_cos"]],
         sentences=len(sentences), anchors=counts["anchors"])
