@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import time
@@ -169,8 +170,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
+def check_paths(a: argparse.Namespace) -> None:
+    """A clear error for a missing init folder or text file (before transformers' own)."""
+    if not os.path.isfile(os.path.join(a.init, "config.json")):
+        raise SystemExit(f"torch_peer.py: --init={a.init} is not a Hugging Face BERT folder (no config.json): "
+                         f"pass an MLM-trained export, e.g. bench/tacl_effect.py's <out>/stage1/export/final")
+    for flag, path in (("--heldout", a.heldout), ("--train", a.train)):
+        if path and not os.path.isfile(path):
+            raise SystemExit(f"torch_peer.py: {flag}={path}: no such file")
+
+
 def main(argv=None) -> dict:
     a = parse_args(argv)
+    check_paths(a)
 
     torch.manual_seed(a.seed)
     torch.set_num_threads(a.threads)

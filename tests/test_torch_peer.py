@@ -125,3 +125,10 @@ def test_measuring_mid_run_changes_nothing_and_the_arms_differ(peer, tiny):
         assert other["tacl_loss_last"] != plain["tacl_loss_last"], flags
     with pytest.raises(SystemExit):
         _run(peer, tiny, "--objective", "mlm", "--anchors", "all")     # a TaCL option on the MLM arm
+
+
+def test_bad_paths_are_named(peer, tiny, tmp_path):
+    with pytest.raises(SystemExit, match="not a Hugging Face BERT folder"):
+        peer.main(["--init", str(tmp_path), "--heldout", tiny["heldout"], "--objective", "init"])
+    with pytest.raises(SystemExit, match="--train=.*nope.txt: no such file"):
+        peer.main(["--init", tiny["init"], "--heldout", tiny["heldout"], "--train", str(tmp_path / "nope.txt")])
