@@ -91,6 +91,7 @@ PEER_FLAGS = {
     ("tacl.anchors", "all"): ["--anchors", "all"],
 }
 PEER_ARMS = ("mlm", "tacl", "tacl_only", "teacher_dropout", "all_positions")    # and tau=X
+PEER_LACKS = {"keep_pad_keys": "its rows have no [PAD] keys to keep"}          # why the peer has no such arm
 # The measures summarised per layer (tacl_jax.isotropy), and the held-out metrics.
 LAYER_MEASURES = ("self_similarity", "masked_anchor_self_similarity", "top_pc_share", "mean_norm_sq",
                   "cosine_to_teacher", "anchor_cosine_to_teacher")
@@ -336,7 +337,7 @@ def peer_command(args, arm: str) -> list[str]:
             continue
         if (key, value) not in PEER_FLAGS:
             raise SystemExit(f"the peer has no arm {arm!r}: it runs init, {', '.join(PEER_ARMS)} and tau=X"
-                             + (" (its rows have no [PAD] keys to keep)" if arm == "keep_pad_keys" else ""))
+                             + (f" ({PEER_LACKS[arm]})" if arm in PEER_LACKS else ""))
         flags += PEER_FLAGS[(key, value)]
     cmd = [args.peer_python, args.peer_script, "--init", args.init, "--train", args.train, "--heldout", args.heldout,
            "--objective", objective, "--steps", str(args.steps), "--batch", str(args.batch), "--seq",
@@ -386,7 +387,8 @@ def run_seed(args, arms: list[str]) -> dict:
     if args.peer:
         peer_arms = [a for a in arms if a in PEER_ARMS or a.startswith("tau=")]
         if set(arms) - set(peer_arms):
-            log.info("the peer has no arm %s (its rows have no [PAD] keys)", ", ".join(sorted(set(arms) - set(peer_arms))))
+            for arm in sorted(set(arms) - set(peer_arms)):
+                log.info("the peer has no arm %s (%s)", arm, PEER_LACKS.get(arm, "unknown to it"))
         for arm in ["init"] + peer_arms:
             results[f"peer:{arm}"] = _cached(os.path.join(seed_dir, f"peer_{arm}.json"), lambda: run_peer(args, arm))
     return results
