@@ -51,7 +51,10 @@ AdamW eps 1e-6; independent of tacl_jax). It runs mlm, tacl, tacl_only, teacher_
 all_positions and tau=X (its rows are full, without [PAD], so keep_pad_keys has nothing to keep
 there), measures per layer on its own sentence sample (plain self-similarity, the masked-anchor
 one, cosine to the teacher) with a trajectory when ``--measure_every`` is set; summarised beside
-ours as ``peer:<arm>``. Run peer arms one process at a time: each uses 2 threads.
+ours as ``peer:<arm>``. Each peer arm uses ``--peer_threads`` threads (default the peer's 2: run
+one at a time on 2 cores, or two with ``--peer_threads=1``), logs to ``seed_<s>/peer_<arm>.log``
+and, with the default peer, checkpoints to ``seed_<s>/peer_<arm>.ckpt`` every
+``--checkpoint_every`` steps: a stopped peer arm resumes like ours, bit-exact.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ import os
 import pathlib
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -328,8 +332,9 @@ def run_arm(args, arm: str, measurer: Measurer, seed_dir: str) -> dict:
     return out
 
 
-def peer_command(args, arm: str) -> list[str]:
-    """The peer's command line for ``arm`` (``--peer_script``); a clear error for an arm it lacks."""
+def peer_command(args, arm: str, checkpoint: str | None = None) -> list[str]:
+    """The peer's command line for ``arm`` (``--peer_script``), saving to ``checkpoint`` if given; a
+    clear error for an arm it lacks."""
     objective, overrides = arm_spec(arm) if arm != "init" else ("init", {})
     flags = []
     for key, value in overrides.items():
@@ -344,18 +349,48 @@ def peer_command(args, arm: str) -> list[str]:
            str(args.max_len), "--lr", str(args.lr), "--seed", str(args.seed), "--sentences", str(args.sentences),
            "--tau", str(overrides.get("tacl.temperature", 0.01))]
     # only when set: the default arms' command stays the one every peer script takes
-    return cmd + flags + (["--measure_every", str(args.measure_every)] if args.measure_every else [])
+    if args.measure_every:
+        cmd += ["--measure_every", str(args.measure_every)]
+    if getattr(args, "peer_threads", 0):
+        cmd += ["--threads", str(args.peer_threads)]
+    if checkpoint:
+        cmd += ["--checkpoint", checkpoint, "--checkpoint_every", str(args.checkpoint_every)]
+    return cmd + flags
 
 
-def run_peer(args, arm: str) -> dict:
-    """One arm of the PyTorch peer (``--peer_script``); its last JSON line."""
-    cmd = peer_command(args, arm)
+def run_peer(args, arm: str, seed_dir: str) -> dict:
+    """One arm of the PyTorch peer (``--peer_script``), its output appended to
+    ``seed_dir/peer_<arm>.log``; its last JSON line. With the default peer, the arm checkpoints to
+    ``seed_dir/peer_<arm>.ckpt`` and resumes from it (deleted once the arm has finished); SIGTERM
+    stops the peer with us, so no orphan trains on."""
+    ours = os.path.abspath(args.peer_script) == os.path.abspath(PEER)
+    ckpt = os.path.join(seed_dir, f"peer_{arm}.ckpt") if ours and arm != "init" and args.checkpoint_every else None
+    cmd = peer_command(args, arm, ckpt)
+    log_path = os.path.join(seed_dir, f"peer_{arm}.log")
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    with open(log_path, "a") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.PIPE, text=True)
+
+        def stop(signum, frame):
+            proc.terminate()
+            raise SystemExit(f"peer arm {arm} stopped (signal {signum}); the same command resumes it"
+                             + (f" from {ckpt}" if ckpt else ""))
+
+        previous = signal.signal(signal.SIGTERM, stop)
+        try:
+            _, err = proc.communicate()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            if proc.poll() is None:          # Ctrl-C or an error here: the peer stops too
+                proc.terminate()
+                proc.wait()
     if proc.returncode != 0:
-        raise SystemExit(f"peer arm {arm} failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+        raise SystemExit(f"peer arm {arm} failed (exit {proc.returncode}; log {log_path}): {err[-2000:]}")
+    with open(log_path) as f:
+        res = json.loads(f.read().strip().splitlines()[-1])
     res.update(arm=arm, wall_s=round(time.perf_counter() - t0, 1), command=" ".join(cmd))
+    if ckpt and os.path.isfile(ckpt):
+        os.remove(ckpt)
     return res
 
 
@@ -390,7 +425,7 @@ def run_seed(args, arms: list[str]) -> dict:
             for arm in sorted(set(arms) - set(peer_arms)):
                 log.info("the peer has no arm %s (%s)", arm, PEER_LACKS.get(arm, "unknown to it"))
         for arm in ["init"] + peer_arms:
-            results[f"peer:{arm}"] = _cached(os.path.join(seed_dir, f"peer_{arm}.json"), lambda: run_peer(args, arm))
+            results[f"peer:{arm}"] = _cached(os.path.join(seed_dir, f"peer_{arm}.json"), lambda: run_peer(args, arm, seed_dir))
     return results
 
 
@@ -535,6 +570,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peer", action="store_true", help="also run the PyTorch peer's arms")
     p.add_argument("--peer_script", default=PEER, help="the PyTorch peer (its flags as bench/torch_peer.py's)")
     p.add_argument("--peer_python", default=sys.executable)
+    p.add_argument("--peer_threads", type=int, default=0, help="threads of each peer arm (0: the peer's default, 2)")
     args = p.parse_args(argv)
     args.out = os.path.abspath(args.out)
     for a in filter(None, args.arms.split(",")):

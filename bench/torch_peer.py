@@ -33,6 +33,13 @@ Measures (per layer, 0 = embeddings; ``--sentences`` held-out sentences of ≥ 5
 ``--measure_every N`` also measures the student every N steps (``trajectory``); measuring draws
 nothing from the training's random streams, so the end result is the same with or without it.
 
+Long runs (hours on a CPU): ``--checkpoint FILE`` saves the whole run state (student, AdamW,
+schedule, the row/mask generator, the dropout RNG, the trajectory so far) every
+``--checkpoint_every`` steps, atomically; a run that finds FILE resumes from it and ends bit-equal
+to an uninterrupted one (a FILE written with other settings is refused). ``--stop_after N`` stops
+after step N of the ``--steps`` schedule, saves, and reports the student there (``stopped_at``),
+so a long schedule can be run in pieces.
+
   python bench/torch_peer.py --init DIR --train stage2.txt --heldout test.txt --objective tacl --steps 600
 """
 
@@ -162,7 +169,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sentence_seed", type=int, default=1234, help="the measured sentences and their masks")
     ap.add_argument("--measure_every", type=int, default=0, help="also measure every N steps (trajectory)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--checkpoint", help="a file: the run state, saved every --checkpoint_every steps; resumed from")
+    ap.add_argument("--checkpoint_every", type=int, default=250)
+    ap.add_argument("--stop_after", type=int, default=0,
+                    help="stop after this step of the --steps schedule (saved to --checkpoint; resumable)")
     a = ap.parse_args(argv)
+    if a.stop_after and not 0 < a.stop_after < a.steps:
+        ap.error(f"--stop_after={a.stop_after} must lie inside the schedule, 0 < N < --steps={a.steps}")
+    if a.checkpoint_every < 1:
+        ap.error(f"--checkpoint_every={a.checkpoint_every} must be a positive number of steps")
     if a.objective != "init" and not a.train:
         ap.error(f"--objective={a.objective} trains: pass --train=<text file>")
     if a.objective == "mlm" and (a.mlm_weight != 1.0 or a.anchors != "masked" or a.teacher_dropout):
@@ -178,6 +193,40 @@ def check_paths(a: argparse.Namespace) -> None:
     for flag, path in (("--heldout", a.heldout), ("--train", a.train)):
         if path and not os.path.isfile(path):
             raise SystemExit(f"torch_peer.py: {flag}={path}: no such file")
+
+
+# The settings a checkpoint must share with the run that resumes it (the rest: threads, logging).
+RUN_KEYS = ("init", "train", "objective", "steps", "batch", "seq", "lr", "tau", "mlm_weight", "anchors",
+            "teacher_dropout", "seed", "sentences", "sentence_seed", "measure_every")
+
+
+def save_state(path: str, a: argparse.Namespace, done: int, train_s: float, res: dict, student, opt, sched,
+               g: torch.Generator) -> None:
+    """The run after step ``done``, written to a temporary file and renamed (a crash mid-write
+    leaves the previous checkpoint whole)."""
+    state = dict(settings={k: getattr(a, k) for k in RUN_KEYS}, done=done, train_s=train_s, res=res,
+                 student=student.state_dict(), opt=opt.state_dict(), sched=sched.state_dict(),
+                 rows_rng=g.get_state(), torch_rng=torch.get_rng_state())
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_state(path: str, a: argparse.Namespace, student, opt, sched, g: torch.Generator) -> tuple[int, float, dict]:
+    """Restores a ``save_state`` file into the run; ``(steps done, train seconds, result so far)``."""
+    state = torch.load(path, weights_only=False)
+    mine = {k: getattr(a, k) for k in RUN_KEYS}
+    differ = {k: (state["settings"].get(k), v) for k, v in mine.items() if state["settings"].get(k) != v}
+    if differ:
+        raise SystemExit(f"torch_peer.py: --checkpoint={path} belongs to a run with other settings "
+                         f"({', '.join(f'{k}: saved {s!r}, now {n!r}' for k, (s, n) in differ.items())}): "
+                         f"pass the same flags to resume it, or another --checkpoint to start afresh")
+    student.load_state_dict(state["student"])
+    opt.load_state_dict(state["opt"])
+    sched.load_state_dict(state["sched"])
+    g.set_state(state["rows_rng"])
+    torch.set_rng_state(state["torch_rng"])
+    return state["done"], state["train_s"], state["res"]
 
 
 def main(argv=None) -> dict:
@@ -200,9 +249,15 @@ def main(argv=None) -> dict:
         warm = max(1, a.steps // 10)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: s / warm if s < warm else max(0.0, (a.steps - s) / max(1, a.steps - warm)))
+        start, train_s = 0, 0.0
+        if a.checkpoint and os.path.isfile(a.checkpoint):
+            start, train_s, res = load_state(a.checkpoint, a, student, opt, sched, g)
+            res["resumed_from"] = start
+            print(json.dumps({"resumed_from": start}), flush=True)
+        end = a.stop_after or a.steps
         student.train()
         t0 = time.time()
-        for step in range(a.steps):
+        for step in range(start, end):
             x = rows[torch.randint(0, rows.shape[0], (a.batch,), generator=g)]
             inp, sel = bert_mask(x, tok, g)
             out = student(input_ids=inp, output_hidden_states=True)
@@ -224,16 +279,21 @@ def main(argv=None) -> dict:
             torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
             opt.step()
             sched.step()
+            res["mlm_loss_last"] = mlm.item()
             if step % 100 == 0:
                 print(json.dumps({"step": step, "loss": loss.item(), "mlm": mlm.item()}), flush=True)
             done = step + 1
             if a.measure_every and done % a.measure_every == 0 and done < a.steps:
                 teacher.eval()
                 res["trajectory"][str(done)] = measure(student.bert, teacher, tok, sentences, a.sentence_seed)
-                print(json.dumps({"step": done, "self_similarity@last":
-                                  res["trajectory"][str(done)]["self_similarity"][-1]}), flush=True)
-        res["train_s"] = round(time.time() - t0, 1)
-        res["mlm_loss_last"] = mlm.item()
+                # the whole measure, so that a log shows the trajectory of a run still going
+                print(json.dumps({"step": done, "self_similarity@last": res["trajectory"][str(done)]["self_similarity"][-1],
+                                  "measure": res["trajectory"][str(done)]}), flush=True)
+            if a.checkpoint and done < a.steps and (done % a.checkpoint_every == 0 or done == end):
+                save_state(a.checkpoint, a, done, train_s + time.time() - t0, res, student, opt, sched, g)
+        res["train_s"] = round(train_s + time.time() - t0, 1)
+        if end < a.steps:
+            res["stopped_at"] = end
     teacher.eval()
     res.update(measure(student.bert, teacher, tok, sentences, a.sentence_seed))
     res["last_layer_self_similarity"] = res["self_similarity"][-1]

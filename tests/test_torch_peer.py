@@ -132,3 +132,45 @@ def test_bad_paths_are_named(peer, tiny, tmp_path):
         peer.main(["--init", str(tmp_path), "--heldout", tiny["heldout"], "--objective", "init"])
     with pytest.raises(SystemExit, match="--train=.*nope.txt: no such file"):
         peer.main(["--init", tiny["init"], "--heldout", tiny["heldout"], "--train", str(tmp_path / "nope.txt")])
+
+
+def test_a_resumed_run_ends_bit_equal_to_an_uninterrupted_one(peer, tiny, tmp_path):
+    """Stopped after step 2 of 4 (the checkpoint saved), then resumed: the same student as one
+    run of 4 steps; teacher dropout on, so the dropout RNG's state must travel too."""
+    flags = ["--objective", "tacl", "--teacher_dropout", "--measure_every", "1"]
+    whole = _run(peer, tiny, *flags)
+    ckpt = str(tmp_path / "peer.ckpt")
+    first = _run(peer, tiny, *flags, "--checkpoint", ckpt, "--checkpoint_every", "3", "--stop_after", "2")
+    assert first["stopped_at"] == 2 and list(first["trajectory"]) == ["1", "2"]
+    assert first["self_similarity"] == whole["trajectory"]["2"]["self_similarity"]   # measured where it stopped
+    rest = _run(peer, tiny, *flags, "--checkpoint", ckpt, "--checkpoint_every", "3")
+    assert rest["resumed_from"] == 2 and "stopped_at" not in rest
+    assert rest["trajectory"] == whole["trajectory"]
+    for k in ("self_similarity", "masked_anchor_self_similarity", "cosine_to_teacher", "tacl_loss_last",
+              "mlm_loss_last"):
+        assert rest[k] == whole[k], k
+    with pytest.raises(SystemExit, match=r"other settings \(tau: saved 0.01, now 0.1\).*another --checkpoint"):
+        _run(peer, tiny, *flags, "--checkpoint", ckpt, "--tau", "0.1")
+    with pytest.raises(SystemExit):
+        _run(peer, tiny, "--objective", "tacl", "--stop_after", "4")            # outside the 4-step schedule
+
+
+def test_the_study_runs_the_peer_resumably_and_logs_it(peer, tiny, tmp_path):
+    """bench/tacl_effect.py's peer arm: a subprocess of bench/torch_peer.py with a checkpoint in
+    the seed's folder (deleted when the arm finishes) and a log; its result is the peer's own."""
+    import sys
+    tacl_effect = load_bench("tacl_effect")
+    args = tacl_effect.parse_args(["--out", str(tmp_path), "--init", tiny["init"], "--steps", "4", "--batch", "2",
+                                   "--max_len", "16", "--sentences", "4", "--heldout", tiny["heldout"],
+                                   "--checkpoint_every", "2", "--peer_threads", "1", "--peer"])
+    args.train, args.seed = tiny["train"], 0
+    assert args.peer_python == sys.executable
+    cmd = tacl_effect.peer_command(args, "teacher_dropout", str(tmp_path / "c.ckpt"))
+    parsed = peer.parse_args(cmd[2:])
+    assert (parsed.checkpoint, parsed.checkpoint_every, parsed.threads, parsed.teacher_dropout) == (
+        str(tmp_path / "c.ckpt"), 2, 1, True)
+    got = tacl_effect.run_peer(args, "tacl", str(tmp_path))
+    want = _run(peer, tiny, "--objective", "tacl", "--seed", "0")
+    assert got["self_similarity"] == want["self_similarity"] and got["tacl_loss_last"] == want["tacl_loss_last"]
+    assert "--checkpoint" in got["command"] and not (tmp_path / "peer_tacl.ckpt").exists()
+    assert (tmp_path / "peer_tacl.log").read_text().strip().endswith("}")
