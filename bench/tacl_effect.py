@@ -351,7 +351,7 @@ def peer_command(args, arm: str, checkpoint: str | None = None) -> list[str]:
     # only when set: the default arms' command stays the one every peer script takes
     if args.measure_every:
         cmd += ["--measure_every", str(args.measure_every)]
-    if getattr(args, "peer_threads", 0):
+    if args.peer_threads:
         cmd += ["--threads", str(args.peer_threads)]
     if checkpoint:
         cmd += ["--checkpoint", checkpoint, "--checkpoint_every", str(args.checkpoint_every)]

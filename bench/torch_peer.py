@@ -200,11 +200,16 @@ RUN_KEYS = ("init", "train", "objective", "steps", "batch", "seq", "lr", "tau", 
             "teacher_dropout", "seed", "sentences", "sentence_seed", "measure_every")
 
 
+def run_settings(a: argparse.Namespace) -> dict:
+    """The flags a checkpoint records and a resuming run must repeat (``RUN_KEYS``)."""
+    return {k: getattr(a, k) for k in RUN_KEYS}
+
+
 def save_state(path: str, a: argparse.Namespace, done: int, train_s: float, res: dict, student, opt, sched,
                g: torch.Generator) -> None:
     """The run after step ``done``, written to a temporary file and renamed (a crash mid-write
     leaves the previous checkpoint whole)."""
-    state = dict(settings={k: getattr(a, k) for k in RUN_KEYS}, done=done, train_s=train_s, res=res,
+    state = dict(settings=run_settings(a), done=done, train_s=train_s, res=res,
                  student=student.state_dict(), opt=opt.state_dict(), sched=sched.state_dict(),
                  rows_rng=g.get_state(), torch_rng=torch.get_rng_state())
     tmp = f"{path}.tmp{os.getpid()}"
@@ -215,8 +220,7 @@ def save_state(path: str, a: argparse.Namespace, done: int, train_s: float, res:
 def load_state(path: str, a: argparse.Namespace, student, opt, sched, g: torch.Generator) -> tuple[int, float, dict]:
     """Restores a ``save_state`` file into the run; ``(steps done, train seconds, result so far)``."""
     state = torch.load(path, weights_only=False)
-    mine = {k: getattr(a, k) for k in RUN_KEYS}
-    differ = {k: (state["settings"].get(k), v) for k, v in mine.items() if state["settings"].get(k) != v}
+    differ = {k: (state["settings"].get(k), v) for k, v in run_settings(a).items() if state["settings"].get(k) != v}
     if differ:
         raise SystemExit(f"torch_peer.py: --checkpoint={path} belongs to a run with other settings "
                          f"({', '.join(f'{k}: saved {s!r}, now {n!r}' for k, (s, n) in differ.items())}): "
