@@ -353,6 +353,8 @@ def peer_command(args, arm: str, checkpoint: str | None = None) -> list[str]:
         cmd += ["--measure_every", str(args.measure_every)]
     if args.peer_threads:
         cmd += ["--threads", str(args.peer_threads)]
+    if args.peer_device != "cpu":
+        cmd += ["--device", args.peer_device]
     if checkpoint:
         cmd += ["--checkpoint", checkpoint, "--checkpoint_every", str(args.checkpoint_every)]
     return cmd + flags
@@ -571,6 +573,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peer_script", default=PEER, help="the PyTorch peer (its flags as bench/torch_peer.py's)")
     p.add_argument("--peer_python", default=sys.executable)
     p.add_argument("--peer_threads", type=int, default=0, help="threads of each peer arm (0: the peer's default, 2)")
+    p.add_argument("--peer_device", default="cpu", help="torch device of the peer's arms: cpu, or cuda for a GPU")
     args = p.parse_args(argv)
     args.out = os.path.abspath(args.out)
     for a in filter(None, args.arms.split(",")):

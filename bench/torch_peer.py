@@ -19,6 +19,9 @@ Training, as the authors' ``bert_contrastive.py`` computes it:
   teacher    deterministic, or with its dropout on (``--teacher_dropout``: the authors' code)
   optimiser  AdamW (eps 1e-6, no weight decay), ``--lr`` after 10% linear warm-up, linear decay to
              0, gradient clipping at 1.0; fp32
+  device     ``--device`` (cpu, or cuda for a GPU; fp32 there too, TF32 off, torch's default): rows
+             and masks are drawn on the CPU from the same generator either way, so a seed picks the
+             same rows and masks on every device
 There is no [PAD] in these rows, so the question of masking [PAD] keys does not arise here.
 
 Measures (per layer, 0 = embeddings; ``--sentences`` held-out sentences of ≥ 5 words as
@@ -88,7 +91,7 @@ def contrastive_nll(student_last: torch.Tensor, teacher_last: torch.Tensor, tau:
     positions j of the same row. ``student_last``/``teacher_last``: ``[B, L, H]``."""
     b, length, _ = student_last.shape
     scores = torch.einsum("bid,bjd->bij", F.normalize(student_last, dim=-1), F.normalize(teacher_last, dim=-1)) / tau
-    target = torch.arange(length).expand(b, -1)
+    target = torch.arange(length, device=scores.device).expand(b, -1)
     return F.cross_entropy(scores.reshape(-1, length), target.reshape(-1), reduction="none")
 
 
@@ -105,7 +108,7 @@ def heldout_sentences(path: str, n: int, seed: int) -> list[str]:
 def _pair_sum(u: torch.Tensor) -> float:
     """Σ over pairs i < j of the cosines of unit rows ``u [n, H]``."""
     c = u @ u.T
-    iu = torch.triu_indices(c.shape[0], c.shape[0], 1)
+    iu = torch.triu_indices(c.shape[0], c.shape[0], 1, device=c.device)
     return float(c[iu[0], iu[1]].sum())
 
 
@@ -115,13 +118,15 @@ def measure(student: BertModel, teacher: BertModel, tok, sentences: list[str], m
     was_training = student.training
     student.eval()
     g = torch.Generator().manual_seed(mask_seed)
+    dev = next(student.parameters()).device
     n_layers = student.config.num_hidden_layers + 1
     sums = {k: [0.0] * n_layers for k in ("pairs", "anchor_pairs", "cos", "anchor_cos")}
     counts = dict(pairs=0, anchor_pairs=0, tokens=0, anchors=0)
     for s in sentences:
         enc = tok(s, return_tensors="pt", truncation=True, max_length=128)
+        masked, sel = bert_mask(enc["input_ids"], tok, g)   # on the CPU, as in training
+        enc, masked, sel = {k: v.to(dev) for k, v in enc.items()}, masked.to(dev), sel.to(dev)
         x = enc["input_ids"]
-        masked, sel = bert_mask(x, tok, g)
         plain = student(**enc, output_hidden_states=True).hidden_states
         on_masked = student(input_ids=masked, attention_mask=enc["attention_mask"], output_hidden_states=True).hidden_states
         ref = teacher(**enc, output_hidden_states=True).hidden_states
@@ -169,6 +174,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sentence_seed", type=int, default=1234, help="the measured sentences and their masks")
     ap.add_argument("--measure_every", type=int, default=0, help="also measure every N steps (trajectory)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="torch device: cpu, or cuda (cuda:N) for a GPU")
     ap.add_argument("--checkpoint", help="a file: the run state, saved every --checkpoint_every steps; resumed from")
     ap.add_argument("--checkpoint_every", type=int, default=250)
     ap.add_argument("--stop_after", type=int, default=0,
@@ -180,6 +186,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--checkpoint_every={a.checkpoint_every} must be a positive number of steps")
     if a.objective != "init" and not a.train:
         ap.error(f"--objective={a.objective} trains: pass --train=<text file>")
+    if a.device.split(":")[0] not in ("cpu", "cuda"):
+        ap.error(f"--device={a.device}: use cpu, or cuda (cuda:N) for an NVIDIA GPU")
     if a.objective == "mlm" and (a.mlm_weight != 1.0 or a.anchors != "masked" or a.teacher_dropout):
         ap.error("--mlm_weight, --anchors and --teacher_dropout are TaCL's options: use --objective=tacl")
     return a
@@ -193,9 +201,14 @@ def check_paths(a: argparse.Namespace) -> None:
     for flag, path in (("--heldout", a.heldout), ("--train", a.train)):
         if path and not os.path.isfile(path):
             raise SystemExit(f"torch_peer.py: {flag}={path}: no such file")
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"torch_peer.py: --device={a.device} but this torch sees no CUDA GPU "
+                         f"(torch {torch.__version__}): run with --device=cpu, or on a machine with a GPU "
+                         f"and a CUDA build of torch")
 
 
-# The settings a checkpoint must share with the run that resumes it (the rest: threads, logging).
+# The settings a checkpoint must share with the run that resumes it (the rest: threads, device,
+# logging; a run resumed on another device goes on from the same state, not bit-equal).
 RUN_KEYS = ("init", "train", "objective", "steps", "batch", "seq", "lr", "tau", "mlm_weight", "anchors",
             "teacher_dropout", "seed", "sentences", "sentence_seed", "measure_every")
 
@@ -211,7 +224,8 @@ def save_state(path: str, a: argparse.Namespace, done: int, train_s: float, res:
     leaves the previous checkpoint whole)."""
     state = dict(settings=run_settings(a), done=done, train_s=train_s, res=res,
                  student=student.state_dict(), opt=opt.state_dict(), sched=sched.state_dict(),
-                 rows_rng=g.get_state(), torch_rng=torch.get_rng_state())
+                 rows_rng=g.get_state(), torch_rng=torch.get_rng_state(),
+                 cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
     tmp = f"{path}.tmp{os.getpid()}"
     torch.save(state, tmp)
     os.replace(tmp, path)
@@ -230,6 +244,8 @@ def load_state(path: str, a: argparse.Namespace, student, opt, sched, g: torch.G
     sched.load_state_dict(state["sched"])
     g.set_state(state["rows_rng"])
     torch.set_rng_state(state["torch_rng"])
+    if state.get("cuda_rng") is not None and torch.cuda.is_available():   # the dropout streams on a GPU
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
     return state["done"], state["train_s"], state["res"]
 
 
@@ -240,8 +256,10 @@ def main(argv=None) -> dict:
     torch.manual_seed(a.seed)
     torch.set_num_threads(a.threads)
     tok = AutoTokenizer.from_pretrained(a.init)
-    student = BertForMaskedLM.from_pretrained(a.init)
-    teacher = BertModel.from_pretrained(a.init, add_pooling_layer=False).eval()
+    dev = torch.device(a.device)
+    # fp32 whatever the checkpoint's dtype (transformers 5 would keep a half-precision file's)
+    student = BertForMaskedLM.from_pretrained(a.init, dtype=torch.float32).to(dev)
+    teacher = BertModel.from_pretrained(a.init, add_pooling_layer=False, dtype=torch.float32).to(dev).eval()
     teacher.requires_grad_(False)
     sentences = heldout_sentences(a.heldout, a.sentences, a.sentence_seed)
     res = {k: getattr(a, k) for k in ("objective", "seed", "steps", "tau", "mlm_weight", "anchors", "teacher_dropout")}
@@ -263,7 +281,8 @@ def main(argv=None) -> dict:
         t0 = time.time()
         for step in range(start, end):
             x = rows[torch.randint(0, rows.shape[0], (a.batch,), generator=g)]
-            inp, sel = bert_mask(x, tok, g)
+            inp, sel = bert_mask(x, tok, g)          # on the CPU, from g, whatever the device
+            x, inp, sel = x.to(dev), inp.to(dev), sel.to(dev)
             out = student(input_ids=inp, output_hidden_states=True)
             mlm = F.cross_entropy(out.logits.view(-1, out.logits.shape[-1]), x.masked_fill(~sel, -100).view(-1),
                                   ignore_index=-100)

@@ -137,6 +137,9 @@ def test_each_peer_arm_reaches_the_peer_as_its_settings(tacl_effect, monkeypatch
     assert peer.parse_args(tacl_effect.peer_command(args, "tacl")[2:]).measure_every == 300
     with pytest.raises(SystemExit, match=r"no arm 'keep_pad_keys'.*no \[PAD\] keys"):
         tacl_effect.peer_command(args, "keep_pad_keys")
+    assert peer.parse_args(tacl_effect.peer_command(args, "tacl")[2:]).device == "cpu"
+    args.peer_device = "cuda"                   # --peer_device: the peer's own --device
+    assert peer.parse_args(tacl_effect.peer_command(args, "tacl")[2:]).device == "cuda"
 
 
 def test_empty_arms_measure_the_init_only(tacl_effect):

@@ -134,6 +134,30 @@ def test_bad_paths_are_named(peer, tiny, tmp_path):
         peer.main(["--init", tiny["init"], "--heldout", tiny["heldout"], "--train", str(tmp_path / "nope.txt")])
 
 
+def test_bad_devices_are_named(peer, tiny, monkeypatch):
+    with pytest.raises(SystemExit):
+        peer.parse_args(["--init", tiny["init"], "--heldout", tiny["heldout"], "--device", "mps"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="--device=cuda but this torch sees no CUDA GPU.*--device=cpu"):
+        peer.main(["--init", tiny["init"], "--heldout", tiny["heldout"], "--objective", "init", "--device", "cuda"])
+
+
+def test_a_half_precision_init_is_measured_in_fp32(peer, tiny, tmp_path):
+    """An fp16 copy of the init (e.g. one shipped at half the size) gives the measures of its values
+    in fp32: the same as the fp32 folder holding those very values."""
+    half, back = tmp_path / "half", tmp_path / "back"
+    model = transformers.BertForMaskedLM.from_pretrained(tiny["init"])
+    model.half().save_pretrained(half)
+    model.float().save_pretrained(back)           # fp32 with the fp16-rounded values
+    for name in os.listdir(tiny["init"]):
+        if name.startswith(("vocab", "tokenizer", "special_tokens")):
+            shutil.copy(os.path.join(tiny["init"], name), half)
+            shutil.copy(os.path.join(tiny["init"], name), back)
+    flags = ["--heldout", tiny["heldout"], "--objective", "init", "--sentences", "3"]
+    a, b = peer.main(["--init", str(half), *flags]), peer.main(["--init", str(back), *flags])
+    np.testing.assert_allclose(a["self_similarity"], b["self_similarity"], rtol=0, atol=1e-6)
+
+
 def test_a_resumed_run_ends_bit_equal_to_an_uninterrupted_one(peer, tiny, tmp_path):
     """Stopped after step 2 of 4 (the checkpoint saved), then resumed: the same student as one
     run of 4 steps; teacher dropout on, so the dropout RNG's state must travel too."""
