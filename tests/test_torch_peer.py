@@ -16,6 +16,14 @@ TEXT = ("The tower is 324 metres tall , about the same height as an 81 @-@ store
         "125 metres on each side . During its construction , it surpassed the Washington Monument . ")
 
 
+def copy_tokenizer(src, *dsts):
+    """The tokenizer files of the BERT folder ``src`` into each folder of ``dsts``."""
+    for name in os.listdir(src):
+        if name.startswith(("vocab", "tokenizer", "special_tokens")):
+            for dst in dsts:
+                shutil.copy(os.path.join(src, name), dst)
+
+
 @pytest.fixture(scope="module")
 def peer():
     return load_bench("torch_peer")
@@ -29,9 +37,7 @@ def tiny(tmp_path_factory, minilm_dir):
     cfg = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                   intermediate_size=64, max_position_embeddings=128)
     transformers.BertForMaskedLM(cfg).save_pretrained(folder)
-    for name in os.listdir(minilm_dir):
-        if name.startswith(("vocab", "tokenizer", "special_tokens")):
-            shutil.copy(os.path.join(minilm_dir, name), folder)
+    copy_tokenizer(minilm_dir, folder)
     heldout = folder / "heldout.txt"
     heldout.write_text(" = Tower = \n\n" + TEXT * 2 + "\n")
     train = folder / "train.txt"
@@ -149,10 +155,7 @@ def test_a_half_precision_init_is_measured_in_fp32(peer, tiny, tmp_path):
     model = transformers.BertForMaskedLM.from_pretrained(tiny["init"])
     model.half().save_pretrained(half)
     model.float().save_pretrained(back)           # fp32 with the fp16-rounded values
-    for name in os.listdir(tiny["init"]):
-        if name.startswith(("vocab", "tokenizer", "special_tokens")):
-            shutil.copy(os.path.join(tiny["init"], name), half)
-            shutil.copy(os.path.join(tiny["init"], name), back)
+    copy_tokenizer(tiny["init"], half, back)
     flags = ["--heldout", tiny["heldout"], "--objective", "init", "--sentences", "3"]
     a, b = peer.main(["--init", str(half), *flags]), peer.main(["--init", str(back), *flags])
     np.testing.assert_allclose(a["self_similarity"], b["self_similarity"], rtol=0, atol=1e-6)
