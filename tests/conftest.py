@@ -12,6 +12,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pathlib  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+# XLA compiles dominate the suite's time (the models are tiny), and many tests compile the same
+# programs again: every train_and_evaluate (each resume, each CLI process) builds its step afresh.
+# One persistent compilation cache per pytest run, made here by the first process (the xdist
+# controller) and inherited through the environment by its workers and by every training process
+# a test starts, compiles each program once. A fresh folder per run, removed at its end, so no entry
+# outlives the code that made it; a hit is the same executable XLA would build (the key is the
+# HLO, the compile options and the jaxlib version). A JAX_COMPILATION_CACHE_DIR set beforehand is
+# used as it is and kept.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="tacl_jax_tests_xla_cache_")
+    os.environ["TACL_JAX_TESTS_OWN_CACHE"] = os.environ["JAX_COMPILATION_CACHE_DIR"]
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")    # tiny programs compile in < 1 s
 
 import pytest  # noqa: E402
 
@@ -27,6 +42,12 @@ def minilm_dir() -> str:
     path = pathlib.Path(spec.origin).parent / "model"
     assert (path / "model.safetensors").is_file(), f"no weights in {path}"
     return str(path)
+
+
+def pytest_unconfigure(config):
+    own = os.environ.get("TACL_JAX_TESTS_OWN_CACHE")
+    if own and not hasattr(config, "workerinput"):      # the process that made it (not an xdist worker)
+        shutil.rmtree(own, ignore_errors=True)
 
 
 def pytest_configure(config):
