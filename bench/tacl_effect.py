@@ -54,7 +54,9 @@ one, cosine to the teacher) with a trajectory when ``--measure_every`` is set; s
 ours as ``peer:<arm>``. Each peer arm uses ``--peer_threads`` threads (default the peer's 2: run
 one at a time on 2 cores, or two with ``--peer_threads=1``), logs to ``seed_<s>/peer_<arm>.log``
 and, with the default peer, checkpoints to ``seed_<s>/peer_<arm>.ckpt`` every
-``--checkpoint_every`` steps: a stopped peer arm resumes like ours, bit-exact.
+``--checkpoint_every`` steps: a stopped peer arm resumes like ours, bit-exact. ``--peer_only``: the
+peer's arms alone (for a setting whose tacl_jax arms ran earlier, or run elsewhere at once);
+tacl_jax's results already cached in ``--out`` are read, never computed, and summarised beside them.
 """
 
 from __future__ import annotations
@@ -397,9 +399,12 @@ def run_peer(args, arm: str, seed_dir: str) -> dict:
 
 
 def _cached(path: str, fn):
+    """``path``'s JSON if it exists, else ``fn()`` written there atomically; ``fn=None``: only read (None if absent)."""
     if os.path.isfile(path):
         with open(path) as f:
             return json.load(f)
+    if fn is None:
+        return None
     res = fn()
     tmp = f"{path}.tmp{os.getpid()}"    # arms of one seed may run in parallel processes (init.json)
     with open(tmp, "w") as f:
@@ -418,10 +423,15 @@ def run_seed(args, arms: list[str]) -> dict:
         measurer = measurer or Measurer(args)
         return measurer
 
-    results = {"init": _cached(os.path.join(seed_dir, "init.json"), lambda: get_measurer()(get_measurer().init_params))}
+    # --peer_only: tacl_jax's init measures and arms are not run, but their cached results join the summary.
+    ours = not args.peer_only
+    results = {"init": _cached(os.path.join(seed_dir, "init.json"),
+                               (lambda: get_measurer()(get_measurer().init_params)) if ours else None)}
     for arm in arms:
-        results[arm] = _cached(os.path.join(seed_dir, f"{arm}.json"), lambda: run_arm(args, arm, get_measurer(), seed_dir))
-    if args.peer:
+        results[arm] = _cached(os.path.join(seed_dir, f"{arm}.json"),
+                               (lambda: run_arm(args, arm, get_measurer(), seed_dir)) if ours else None)
+    results = {name: r for name, r in results.items() if r is not None}
+    if args.peer or args.peer_only:
         peer_arms = [a for a in arms if a in PEER_ARMS or a.startswith("tau=")]
         if set(arms) - set(peer_arms):
             for arm in sorted(set(arms) - set(peer_arms)):
@@ -570,6 +580,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="checkpoint each arm (and stage 1) every N steps, so that a stopped one resumes "
                         "(0: only at the end and on SIGTERM)")
     p.add_argument("--peer", action="store_true", help="also run the PyTorch peer's arms")
+    p.add_argument("--peer_only", action="store_true",
+                   help="run only the peer's arms (stage 1 still runs when --init is not given); tacl_jax's "
+                        "cached results in --out, where present, join the summary")
     p.add_argument("--peer_script", default=PEER, help="the PyTorch peer (its flags as bench/torch_peer.py's)")
     p.add_argument("--peer_python", default=sys.executable)
     p.add_argument("--peer_threads", type=int, default=0, help="threads of each peer arm (0: the peer's default, 2)")

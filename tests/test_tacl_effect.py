@@ -295,6 +295,33 @@ def test_a_stopped_arm_records_nothing_and_keeps_its_checkpoint(tacl_effect, tmp
     assert not (seed_dir / "tacl.json").exists() and (seed_dir / "run_tacl" / "checkpoints" / "250").is_dir()
 
 
+def test_peer_only_runs_the_peer_and_reads_ours_from_the_cache(tacl_effect, tmp_path, monkeypatch):
+    """--peer_only: tacl_jax's arms are never trained or measured; those already cached join the
+    summary beside the peer's, which run (and are cached) as with --peer."""
+    monkeypatch.setattr(tacl_effect, "Measurer", lambda args: pytest.fail("must not measure with tacl_jax"))
+    monkeypatch.setattr(tacl_effect, "run_arm", lambda *a: pytest.fail("must not train a tacl_jax arm"))
+    ran = []
+
+    def peer(args, arm, seed_dir):
+        ran.append(arm)
+        return dict(last_layer_self_similarity={"init": 0.18, "mlm": 0.17, "tacl": 0.29}[arm])
+
+    monkeypatch.setattr(tacl_effect, "run_peer", peer)
+    args = _arm_args(tacl_effect, tmp_path, "--peer_only")
+    seed_dir = tmp_path / "seed_3"
+    seed_dir.mkdir()
+    (seed_dir / "mlm.json").write_text('{"self_similarity": [0.5, 0.168]}')    # ours: mlm cached, tacl not
+    res = tacl_effect.run_seed(args, ["mlm", "tacl"])
+    assert ran == ["init", "mlm", "tacl"]
+    assert set(res) == {"mlm", "peer:init", "peer:mlm", "peer:tacl"}
+    assert not (seed_dir / "tacl.json").exists() and (seed_dir / "peer_tacl.json").is_file()
+    s = tacl_effect.summarize({3: res})
+    assert s["minus_baseline"]["peer:tacl"]["self_similarity@last"]["mean"] == pytest.approx(0.12)
+    assert s["models"]["mlm"]["self_similarity@last"]["mean"] == pytest.approx(0.168)
+    ran.clear()
+    assert tacl_effect.run_seed(args, ["mlm", "tacl"]) == res and ran == []     # the second call: all cached
+
+
 def test_trajectory_summary_pairs_each_step_like_the_final_one(tacl_effect):
     rng = np.random.default_rng(1)
 
