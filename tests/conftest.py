@@ -27,6 +27,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="tacl_jax_tests_xla_cache_")
     os.environ["TACL_JAX_TESTS_OWN_CACHE"] = os.environ["JAX_COMPILATION_CACHE_DIR"]
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")    # tiny programs compile in < 1 s
+# Several processes read and write the folder at once, and jax writes an entry in place: a size
+# limit (far above the suite's needs, so nothing is evicted) turns on its file lock (filelock, a
+# requirement of huggingface_hub), so that no process reads an entry another is still writing.
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 
 import pytest  # noqa: E402
 
