@@ -27,6 +27,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import time
 from typing import Any
 
@@ -139,6 +140,7 @@ class CheckpointManager:
                 state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
                 config=ocp.args.JsonRestore()))
         except Exception as e:  # pylint: disable=broad-except  # TensorStore/Orbax errors have many types
+            _drop_late_read_completions()
             raise CheckpointError(
                 f"checkpoint {self.directory}/{step} cannot be restored into this run's state "
                 f"({type(e).__name__}: {str(e)[:300]}). It was written by a different model or "
@@ -213,6 +215,40 @@ class CheckpointManager:
 
     def close(self) -> None:
         self.manager.close()
+
+
+def _is_late_read_completion(unraisable: Any) -> bool:
+    """Whether an unraisable is a TensorStore read finishing after Orbax closed its event loop:
+    ``RuntimeError('Event loop is closed')`` raised in asyncio's ``call_soon_threadsafe``."""
+    if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
+        return False
+    tb, frames = unraisable.exc_traceback, set()
+    while tb is not None:
+        frames.add(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    return "call_soon_threadsafe" in frames
+
+
+def _drop_late_read_completions() -> None:
+    """After a failed restore, silence the completions of its reads still in flight.
+
+    Orbax runs a restore's reads on a fresh asyncio loop and closes that loop as soon as the first
+    read fails (a truncated file); each read that completes afterwards calls the closed loop's
+    ``call_soon_threadsafe`` from a TensorStore thread, and Python prints that ``RuntimeError``
+    with a traceback through ``sys.unraisablehook`` (about two per failed restore of a 40-array
+    tree, seconds after our one-line warning or error). They carry nothing: the restore already
+    failed and was reported. This wraps the current hook once, dropping exactly those and passing
+    every other unraisable on."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_tacl_jax_drops_late_reads", False):
+        return
+
+    def hook(unraisable):
+        if not _is_late_read_completion(unraisable):
+            previous(unraisable)
+
+    hook._tacl_jax_drops_late_reads = True   # pylint: disable=protected-access
+    sys.unraisablehook = hook
 
 
 def _root_cause(e: BaseException) -> str:

@@ -259,6 +259,60 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before_and_resumes_ex
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.fixture
+def recorded_unraisables(monkeypatch):
+    """``sys.unraisablehook`` replaced by a recorder (what pytest's own hook would have turned into
+    a warning); the wrapper a failed restore installs wraps it, and both go at the test's end."""
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    return seen
+
+
+class _RaisesOnDel:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __del__(self):
+        self.fn()
+
+
+def test_late_reads_of_a_failed_restore_are_dropped_and_other_unraisables_pass(recorded_unraisables):
+    import asyncio
+
+    closed = asyncio.new_event_loop()
+    closed.close()
+    checkpoint._drop_late_read_completions()
+    checkpoint._drop_late_read_completions()      # once: a second failed restore does not wrap again
+    assert sys.unraisablehook._tacl_jax_drops_late_reads
+    _RaisesOnDel(lambda: closed.call_soon_threadsafe(print))     # what a TensorStore thread raises
+    _RaisesOnDel(lambda: (_ for _ in ()).throw(RuntimeError("Event loop is closed")))  # not from asyncio
+    _RaisesOnDel(lambda: (_ for _ in ()).throw(ValueError("a bug of ours")))
+    assert [(type(u.exc_value), str(u.exc_value)) for u in recorded_unraisables] == [
+        (RuntimeError, "Event loop is closed"), (ValueError, "a bug of ours")]
+
+
+def test_restoring_a_damaged_checkpoint_prints_no_late_read_tracebacks(tmp_path, recorded_unraisables):
+    # Orbax closes the restore's event loop at the first failed read; the reads still in flight then
+    # raise in TensorStore threads (two or so per restore of 40 arrays here, before the filter).
+    config = _quick()
+    mgr = checkpoint.CheckpointManager(str(tmp_path), config.checkpoint)
+    tree = {f"a{i}": np.random.default_rng(i).random((256, 256), np.float32) for i in range(40)}
+    try:
+        mgr.save(1, tree, {"step": 1}, config, force=True)
+        mgr.wait()
+        for p in (tmp_path / "checkpoints" / "1" / "state").rglob("*"):
+            if p.is_file() and p.stat().st_size > 64 and "metadata" not in p.name.lower():
+                p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+        for _ in range(5):
+            with pytest.raises(checkpoint.CheckpointError, match="cannot be restored"):
+                mgr.restore(1, abstract)
+        time.sleep(1.0)   # the late completions arrive from TensorStore's threads
+    finally:
+        mgr.close()
+    assert [str(u.exc_value) for u in recorded_unraisables] == []
+
+
 @pytest.mark.slow
 def test_a_failed_save_says_so_in_one_line_with_the_last_good_checkpoint(tmp_path, monkeypatch):
     config = _quick(num_train_steps=4)
