@@ -236,7 +236,7 @@ def _drop_late_read_completions() -> None:
     read fails (a truncated file); each read that completes afterwards calls the closed loop's
     ``call_soon_threadsafe`` from a TensorStore thread, and Python prints that ``RuntimeError``
     with a traceback through ``sys.unraisablehook`` (about two per failed restore of a 40-array
-    tree, seconds after our one-line warning or error). They carry nothing: the restore already
+    tree, after our one-line warning or error). They carry nothing: the restore already
     failed and was reported. This wraps the current hook once, dropping exactly those and passing
     every other unraisable on."""
     previous = sys.unraisablehook
