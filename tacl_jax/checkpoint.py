@@ -29,6 +29,7 @@ import re
 import shutil
 import sys
 import time
+import traceback
 from typing import Any
 
 import jax
@@ -135,12 +136,12 @@ class CheckpointManager:
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict, dict]:
         """``(state, data_state, config_dict)`` of ``step``; ``abstract_state`` carries the target
         shardings (``jax.ShapeDtypeStruct`` leaves), so a checkpoint restores onto any mesh."""
+        _drop_late_read_completions()   # before: Orbax closes its loop before its error reaches us
         try:
             out = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
                 config=ocp.args.JsonRestore()))
         except Exception as e:  # pylint: disable=broad-except  # TensorStore/Orbax errors have many types
-            _drop_late_read_completions()
             raise CheckpointError(
                 f"checkpoint {self.directory}/{step} cannot be restored into this run's state "
                 f"({type(e).__name__}: {str(e)[:300]}). It was written by a different model or "
@@ -220,17 +221,13 @@ class CheckpointManager:
 def _is_late_read_completion(unraisable: Any) -> bool:
     """Whether an unraisable is a TensorStore read finishing after Orbax closed its event loop:
     ``RuntimeError('Event loop is closed')`` raised in asyncio's ``call_soon_threadsafe``."""
-    if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
-        return False
-    tb, frames = unraisable.exc_traceback, set()
-    while tb is not None:
-        frames.add(tb.tb_frame.f_code.co_name)
-        tb = tb.tb_next
-    return "call_soon_threadsafe" in frames
+    return (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
+            and any(frame.f_code.co_name == "call_soon_threadsafe"
+                    for frame, _ in traceback.walk_tb(unraisable.exc_traceback)))
 
 
 def _drop_late_read_completions() -> None:
-    """After a failed restore, silence the completions of its reads still in flight.
+    """Silence the completions of a failed restore's reads still in flight.
 
     Orbax runs a restore's reads on a fresh asyncio loop and closes that loop as soon as the first
     read fails (a truncated file); each read that completes afterwards calls the closed loop's
@@ -238,7 +235,8 @@ def _drop_late_read_completions() -> None:
     with a traceback through ``sys.unraisablehook`` (about two per failed restore of a 40-array
     tree, after our one-line warning or error). They carry nothing: the restore already
     failed and was reported. This wraps the current hook once, dropping exactly those and passing
-    every other unraisable on."""
+    every other unraisable on. A restore installs it before it starts: the first completions can
+    arrive between Orbax closing its loop and its error reaching our ``except``."""
     previous = sys.unraisablehook
     if getattr(previous, "_tacl_jax_drops_late_reads", False):
         return

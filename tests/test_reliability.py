@@ -232,6 +232,15 @@ def test_resume_refuses_a_changed_objective_and_warns_about_a_changed_learning_r
     assert "optim.learning_rate" in caplog.text and "0.0005" in caplog.text
 
 
+def _truncate_array_files(step_dir: pathlib.Path) -> None:
+    """A copy cut short: every array data file of a checkpoint step truncated to half."""
+    arrays = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.stat().st_size > 64
+              and "metadata" not in p.name.lower()]
+    assert arrays
+    for p in arrays:
+        p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+
+
 @pytest.mark.slow
 def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before_and_resumes_exactly(tmp_path, caplog):
     ref_dir, run = tmp_path / "ref", tmp_path / "run"
@@ -241,11 +250,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before_and_resumes_ex
     first = _quick(num_train_steps=4, steps_per_run=3)
     first.checkpoint.every = 1
     loop.train_and_evaluate(first, str(run))
-    arrays = [p for p in (run / "checkpoints" / "3" / "state").rglob("*") if p.is_file() and p.stat().st_size > 64
-              and "metadata" not in p.name.lower()]
-    assert arrays
-    for p in arrays:   # a copy cut short: every data file truncated to half
-        p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+    _truncate_array_files(run / "checkpoints" / "3")
     with caplog.at_level("WARNING", logger="tacl_jax.checkpoint"):
         res = loop.train_and_evaluate(config, str(run))
     assert "IS DAMAGED" in caplog.text and "resumes from step 2" in caplog.text
@@ -262,10 +267,14 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before_and_resumes_ex
 @pytest.fixture
 def recorded_unraisables(monkeypatch):
     """``sys.unraisablehook`` replaced by a recorder (what pytest's own hook would have turned into
-    a warning); the wrapper a failed restore installs wraps it, and both go at the test's end."""
+    a warning); the wrapper a restore installs wraps it, and both go at the test's end."""
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", seen.append)
     return seen
+
+
+def _raise(e: BaseException):
+    raise e
 
 
 class _RaisesOnDel:
@@ -282,11 +291,11 @@ def test_late_reads_of_a_failed_restore_are_dropped_and_other_unraisables_pass(r
     closed = asyncio.new_event_loop()
     closed.close()
     checkpoint._drop_late_read_completions()
-    checkpoint._drop_late_read_completions()      # once: a second failed restore does not wrap again
+    checkpoint._drop_late_read_completions()      # once: a second restore does not wrap again
     assert sys.unraisablehook._tacl_jax_drops_late_reads
     _RaisesOnDel(lambda: closed.call_soon_threadsafe(print))     # what a TensorStore thread raises
-    _RaisesOnDel(lambda: (_ for _ in ()).throw(RuntimeError("Event loop is closed")))  # not from asyncio
-    _RaisesOnDel(lambda: (_ for _ in ()).throw(ValueError("a bug of ours")))
+    _RaisesOnDel(lambda: _raise(RuntimeError("Event loop is closed")))      # the same words, not from asyncio
+    _RaisesOnDel(lambda: _raise(ValueError("a bug of ours")))
     assert [(type(u.exc_value), str(u.exc_value)) for u in recorded_unraisables] == [
         (RuntimeError, "Event loop is closed"), (ValueError, "a bug of ours")]
 
@@ -300,9 +309,7 @@ def test_restoring_a_damaged_checkpoint_prints_no_late_read_tracebacks(tmp_path,
     try:
         mgr.save(1, tree, {"step": 1}, config, force=True)
         mgr.wait()
-        for p in (tmp_path / "checkpoints" / "1" / "state").rglob("*"):
-            if p.is_file() and p.stat().st_size > 64 and "metadata" not in p.name.lower():
-                p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+        _truncate_array_files(tmp_path / "checkpoints" / "1")
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
         for _ in range(5):
             with pytest.raises(checkpoint.CheckpointError, match="cannot be restored"):
