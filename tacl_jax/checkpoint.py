@@ -137,6 +137,7 @@ class CheckpointManager:
         """``(state, data_state, config_dict)`` of ``step``; ``abstract_state`` carries the target
         shardings (``jax.ShapeDtypeStruct`` leaves), so a checkpoint restores onto any mesh."""
         _drop_late_read_completions()   # before: Orbax closes its loop before its error reaches us
+        _drop_unretrieved_read_errors()
         try:
             out = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
@@ -247,6 +248,36 @@ def _drop_late_read_completions() -> None:
 
     hook._tacl_jax_drops_late_reads = True   # pylint: disable=protected-access
     sys.unraisablehook = hook
+
+
+def _is_unretrieved_read_error(record: logging.LogRecord) -> bool:
+    """Whether an ``asyncio`` log record is a failed restore's read that nobody awaited: "Task (or
+    Future) exception was never retrieved" for a TensorStore error (a ``ValueError`` naming its spec)."""
+    exc = record.exc_info[1] if record.exc_info else None
+    return (isinstance(record.msg, str)
+            and record.msg.startswith(("Task exception was never retrieved",
+                                       "Future exception was never retrieved"))
+            and isinstance(exc, ValueError) and "tensorstore_spec=" in str(exc))
+
+
+def _drop_unretrieved_read_errors() -> None:
+    """Silence the other half of a failed restore's teardown: its reads that failed too.
+
+    When the first read of a damaged checkpoint fails, Orbax stops waiting for the rest; those that
+    also fail (every array of a truncated step does) end as asyncio tasks or futures whose error is
+    never retrieved. When they are garbage-collected (often at interpreter exit), asyncio logs each
+    with a TensorStore traceback, long after our one-line warning or error named the damage. This
+    adds, once, a filter to the ``asyncio`` logger that drops exactly those records (a TensorStore
+    error nobody awaited) and passes every other record. A restore installs it before it starts."""
+    logger = logging.getLogger("asyncio")
+    if any(getattr(f, "_tacl_jax_drops_unretrieved_reads", False) for f in logger.filters):
+        return
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not _is_unretrieved_read_error(record)
+
+    keep._tacl_jax_drops_unretrieved_reads = True   # pylint: disable=protected-access
+    logger.addFilter(keep)
 
 
 def _root_cause(e: BaseException) -> str:

@@ -1,7 +1,10 @@
 """Nothing lost, nothing silent: a diverging run, a lost final export, two runs on one workdir, a
 changed config on resume, a damaged or unwritable checkpoint, signals, and metrics.jsonl."""
 
+import asyncio
+import gc
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -273,6 +276,19 @@ def recorded_unraisables(monkeypatch):
     return seen
 
 
+@pytest.fixture
+def recorded_asyncio_errors(monkeypatch):
+    """The ``asyncio`` logger's records that pass its filters (those a user would see), with the
+    logger's filters put back at the test's end."""
+    logger, seen = logging.getLogger("asyncio"), []
+    monkeypatch.setattr(logger, "filters", list(logger.filters))
+    handler = logging.Handler()
+    handler.emit = seen.append
+    logger.addHandler(handler)
+    yield seen
+    logger.removeHandler(handler)
+
+
 def _raise(e: BaseException):
     raise e
 
@@ -286,8 +302,6 @@ class _RaisesOnDel:
 
 
 def test_late_reads_of_a_failed_restore_are_dropped_and_other_unraisables_pass(recorded_unraisables):
-    import asyncio
-
     closed = asyncio.new_event_loop()
     closed.close()
     checkpoint._drop_late_read_completions()
@@ -300,7 +314,28 @@ def test_late_reads_of_a_failed_restore_are_dropped_and_other_unraisables_pass(r
         (RuntimeError, "Event loop is closed"), (ValueError, "a bug of ours")]
 
 
-def test_restoring_a_damaged_checkpoint_prints_no_late_read_tracebacks(tmp_path, recorded_unraisables):
+def test_unretrieved_read_errors_of_a_failed_restore_are_dropped_and_other_asyncio_errors_pass(
+        recorded_asyncio_errors):
+    checkpoint._drop_unretrieved_read_errors()
+    checkpoint._drop_unretrieved_read_errors()    # once: a second restore adds no second filter
+    assert sum(getattr(f, "_tacl_jax_drops_unretrieved_reads", False)
+               for f in logging.getLogger("asyncio").filters) == 1
+    read_error = ValueError('DATA_LOSS: Error opening "zarr" driver [tensorstore_spec=\'{"driver":"zarr"}\']')
+    never, destroyed = "exception was never retrieved", "Task was destroyed but it is pending!"
+    loop = asyncio.new_event_loop()
+    try:   # asyncio's default handler logs these, as it does for a garbage-collected task or future
+        loop.call_exception_handler({"message": f"Task {never}", "exception": read_error})
+        loop.call_exception_handler({"message": f"Future {never}", "exception": read_error})
+        loop.call_exception_handler({"message": f"Task {never}", "exception": ValueError("a bug of ours")})
+        loop.call_exception_handler({"message": destroyed, "exception": read_error})
+    finally:
+        loop.close()
+    assert [(r.msg.splitlines()[0], str(r.exc_info[1])) for r in recorded_asyncio_errors] == [
+        (f"Task {never}", "a bug of ours"), (destroyed, str(read_error))]
+
+
+def test_restoring_a_damaged_checkpoint_prints_no_late_read_tracebacks(tmp_path, recorded_unraisables,
+                                                                       recorded_asyncio_errors):
     # Orbax closes the restore's event loop at the first failed read; the reads still in flight then
     # raise in TensorStore threads (two or so per restore of 40 arrays here, before the filter).
     config = _quick()
@@ -317,7 +352,9 @@ def test_restoring_a_damaged_checkpoint_prints_no_late_read_tracebacks(tmp_path,
         time.sleep(1.0)   # the late completions arrive from TensorStore's threads
     finally:
         mgr.close()
+    gc.collect()      # the failed reads' tasks, never awaited, log when collected
     assert [str(u.exc_value) for u in recorded_unraisables] == []
+    assert [r.getMessage()[:80] for r in recorded_asyncio_errors] == []
 
 
 @pytest.mark.slow
