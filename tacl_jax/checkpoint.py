@@ -250,14 +250,14 @@ def _drop_late_read_completions() -> None:
     sys.unraisablehook = hook
 
 
-def _is_unretrieved_read_error(record: logging.LogRecord) -> bool:
-    """Whether an ``asyncio`` log record is a failed restore's read that nobody awaited: "Task (or
-    Future) exception was never retrieved" for a TensorStore error (a ``ValueError`` naming its spec)."""
+def _keeps_asyncio_record(record: logging.LogRecord) -> bool:
+    """False for a failed restore's read that nobody awaited: "Task (or Future) exception was never
+    retrieved" for a TensorStore error (a ``ValueError`` naming its spec); True for every other record."""
     exc = record.exc_info[1] if record.exc_info else None
-    return (isinstance(record.msg, str)
-            and record.msg.startswith(("Task exception was never retrieved",
-                                       "Future exception was never retrieved"))
-            and isinstance(exc, ValueError) and "tensorstore_spec=" in str(exc))
+    return not (isinstance(record.msg, str)
+                and record.msg.startswith(("Task exception was never retrieved",
+                                           "Future exception was never retrieved"))
+                and isinstance(exc, ValueError) and "tensorstore_spec=" in str(exc))
 
 
 def _drop_unretrieved_read_errors() -> None:
@@ -267,17 +267,9 @@ def _drop_unretrieved_read_errors() -> None:
     also fail (every array of a truncated step does) end as asyncio tasks or futures whose error is
     never retrieved. When they are garbage-collected (often at interpreter exit), asyncio logs each
     with a TensorStore traceback, long after our one-line warning or error named the damage. This
-    adds, once, a filter to the ``asyncio`` logger that drops exactly those records (a TensorStore
-    error nobody awaited) and passes every other record. A restore installs it before it starts."""
-    logger = logging.getLogger("asyncio")
-    if any(getattr(f, "_tacl_jax_drops_unretrieved_reads", False) for f in logger.filters):
-        return
-
-    def keep(record: logging.LogRecord) -> bool:
-        return not _is_unretrieved_read_error(record)
-
-    keep._tacl_jax_drops_unretrieved_reads = True   # pylint: disable=protected-access
-    logger.addFilter(keep)
+    puts ``_keeps_asyncio_record`` on the ``asyncio`` logger (``addFilter`` adds a filter once),
+    dropping exactly those records. A restore installs it before it starts."""
+    logging.getLogger("asyncio").addFilter(_keeps_asyncio_record)
 
 
 def _root_cause(e: BaseException) -> str:

@@ -318,8 +318,7 @@ def test_unretrieved_read_errors_of_a_failed_restore_are_dropped_and_other_async
         recorded_asyncio_errors):
     checkpoint._drop_unretrieved_read_errors()
     checkpoint._drop_unretrieved_read_errors()    # once: a second restore adds no second filter
-    assert sum(getattr(f, "_tacl_jax_drops_unretrieved_reads", False)
-               for f in logging.getLogger("asyncio").filters) == 1
+    assert logging.getLogger("asyncio").filters.count(checkpoint._keeps_asyncio_record) == 1
     read_error = ValueError('DATA_LOSS: Error opening "zarr" driver [tensorstore_spec=\'{"driver":"zarr"}\']')
     never, destroyed = "exception was never retrieved", "Task was destroyed but it is pending!"
     loop = asyncio.new_event_loop()
@@ -337,7 +336,8 @@ def test_unretrieved_read_errors_of_a_failed_restore_are_dropped_and_other_async
 def test_restoring_a_damaged_checkpoint_prints_no_late_read_tracebacks(tmp_path, recorded_unraisables,
                                                                        recorded_asyncio_errors):
     # Orbax closes the restore's event loop at the first failed read; the reads still in flight then
-    # raise in TensorStore threads (two or so per restore of 40 arrays here, before the filter).
+    # raise in TensorStore threads (two or so per restore of 40 arrays here, before the filter), and
+    # the reads that failed unawaited are logged by asyncio when collected (in 3 of 8 runs here).
     config = _quick()
     mgr = checkpoint.CheckpointManager(str(tmp_path), config.checkpoint)
     tree = {f"a{i}": np.random.default_rng(i).random((256, 256), np.float32) for i in range(40)}
