@@ -32,6 +32,12 @@ share of the variance, |mean unit state|², mean cosine to the teacher (plain) a
 common direction, at τ 0.01 and over a grid of τ; and held-out MLM/TaCL loss and accuracy (the
 training loop's eval step, fixed masks, teacher = the init).
 
+Arithmetic: ``--dtype`` is tacl_jax's compute dtype (``model.dtype``) in both stages and in the
+measures. The default 'auto' computes in bf16 on a CPU with AVX-512 BF16 or AMX (and on TPU/GPU),
+in f32 on others; the peer computes in fp32 everywhere, so ``--dtype=float32`` gives the two
+implementations the same arithmetic. Every tacl_jax result records its ``compute_dtype``, and a
+cached result of another dtype is refused (one ``--out`` per dtype).
+
 ``--measure_every N``: every arm also exports its student each N steps and measures those exports
 the same way after its run (``trajectory`` in its result; ``trajectory`` in the summary pairs
 them per step with MLM-only's): how the difference grows or shrinks within one run.
@@ -154,6 +160,9 @@ def make_config(objective: str, overrides: dict, *, init: str, train: str, steps
     c.max_len = args.max_len
     c.global_batch_size = args.batch
     c.num_train_steps = steps
+    # The compute dtype decides the arithmetic compared with the peer's fp32: 'auto' is bf16 on a
+    # CPU with AVX-512 BF16 or AMX (and on TPU/GPU), f32 on others (tacl_jax.precision).
+    c.model.dtype = getattr(args, "dtype", "auto")
     c.optim.learning_rate = args.lr
     c.optim.warmup_fraction = 0.1
     c.log_every = max(1, steps // 10)
@@ -268,6 +277,7 @@ class Measurer:
                                            args=args, seed=args.seed)
         # The training loop's model, teacher, eval step and special ids, on one device.
         prog = setup.build_program(config, jax.devices()[:1])
+        self.compute_dtype = compute_dtype(args)
         self.model, self.teacher_model, self.mesh = prog.model, prog.teacher_model, prog.mesh
         self.p_eval, self.eval_ratios = prog.eval_step, prog.eval_ratios
         self.init_params = setup.hf_params_for(config, prog.model)
@@ -296,7 +306,8 @@ class Measurer:
                                      self.masking).items()}
         out.update(heldout_mlm_acc=h.get("mlm_acc"), heldout_mlm_loss=h.get("mlm_loss"),
                    heldout_tacl_acc=h.get("tacl_acc"), heldout_tacl_loss=h.get("tacl_loss"),
-                   sentences=len(self.ids), eval_rows=len(self.batches) * len(self.batches[0]["input_ids"]))
+                   sentences=len(self.ids), eval_rows=len(self.batches) * len(self.batches[0]["input_ids"]),
+                   compute_dtype=self.compute_dtype)
         return out
 
 
@@ -398,6 +409,28 @@ def run_peer(args, arm: str, seed_dir: str) -> dict:
     return res
 
 
+def compute_dtype(args) -> str:
+    """The dtype tacl_jax's arms compute in with ``--dtype`` on this machine's devices."""
+    import jax
+
+    from tacl_jax import precision
+
+    return precision.resolve_compute_dtype(args.dtype, precision.platform_of(jax.devices()))
+
+
+def check_dtype(args, result: dict | None, path: str) -> dict | None:
+    """``result`` (tacl_jax's, cached at ``path``), refused when it was computed in another dtype
+    than ``--dtype`` gives here: one summary never mixes bf16 and f32 arms. Results written before
+    the dtype was recorded pass (their dtype is unknown; on a CPU with AVX-512 BF16 it was bf16)."""
+    if result is None or "compute_dtype" not in result:
+        return result
+    here = compute_dtype(args)
+    if result["compute_dtype"] != here:
+        raise SystemExit(f"{path} was computed in {result['compute_dtype']}, but --dtype={args.dtype} computes in "
+                         f"{here} here: pass --dtype={result['compute_dtype']}, or another --out for a {here} study")
+    return result
+
+
 def _cached(path: str, fn):
     """``path``'s JSON if it exists, else ``fn()`` written there atomically; ``fn=None``: only read (None if absent)."""
     if os.path.isfile(path):
@@ -425,11 +458,13 @@ def run_seed(args, arms: list[str]) -> dict:
 
     # --peer_only: tacl_jax's init measures and arms are not run, but their cached results join the summary.
     ours = not args.peer_only
-    results = {"init": _cached(os.path.join(seed_dir, "init.json"),
-                               (lambda: get_measurer()(get_measurer().init_params)) if ours else None)}
+    path = os.path.join(seed_dir, "init.json")
+    results = {"init": check_dtype(args, _cached(path, (lambda: get_measurer()(get_measurer().init_params))
+                                                 if ours else None), path)}
     for arm in arms:
-        results[arm] = _cached(os.path.join(seed_dir, f"{arm}.json"),
-                               (lambda: run_arm(args, arm, get_measurer(), seed_dir)) if ours else None)
+        path = os.path.join(seed_dir, f"{arm}.json")
+        results[arm] = check_dtype(args, _cached(path, (lambda: run_arm(args, arm, get_measurer(), seed_dir))
+                                                 if ours else None), path)
     results = {name: r for name, r in results.items() if r is not None}
     if args.peer or args.peer_only:
         peer_arms = [a for a in arms if a in PEER_ARMS or a.startswith("tau=")]
@@ -566,6 +601,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--max_len", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-4, help="peak, both stages; 10%% warm-up, then linear decay")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="tacl_jax's compute dtype (model.dtype), both stages: 'auto' is bf16 on a CPU with AVX-512 "
+                        "BF16 or AMX and on TPU/GPU, else f32; float32 is the peer's arithmetic. Recorded in every "
+                        "result (compute_dtype); a cached result of another dtype is refused")
     p.add_argument("--sentences", type=int, default=500, help="sentences of --heldout for the measures")
     p.add_argument("--eval_batches", type=int, default=16)
     p.add_argument("--init", default=None, help="an MLM-trained BERT folder: skips stage 1")
