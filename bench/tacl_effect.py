@@ -36,7 +36,9 @@ Arithmetic: ``--dtype`` is tacl_jax's compute dtype (``model.dtype``) in both st
 measures. The default 'auto' computes in bf16 on a CPU with AVX-512 BF16 or AMX (and on TPU/GPU),
 in f32 on others; the peer computes in fp32 everywhere, so ``--dtype=float32`` gives the two
 implementations the same arithmetic. Every tacl_jax result records its ``compute_dtype``, and a
-cached result of another dtype is refused (one ``--out`` per dtype).
+cached result of another dtype is refused (one ``--out`` per dtype). ``--packing`` is the same for
+stage 2's rows: 'full_sentences' (whole sentences, ~48 of 64 tokens a row on wikitext-2, the
+default) or 'contiguous' (the peer's full rows, cut anywhere; ``tacl_jax.data.packing``).
 
 ``--measure_every N``: every arm also exports its student each N steps and measures those exports
 the same way after its run (``trajectory`` in its result; ``trajectory`` in the summary pairs
@@ -163,6 +165,9 @@ def make_config(objective: str, overrides: dict, *, init: str, train: str, steps
     # The compute dtype decides the arithmetic compared with the peer's fp32: 'auto' is bf16 on a
     # CPU with AVX-512 BF16 or AMX (and on TPU/GPU), f32 on others (tacl_jax.precision).
     c.model.dtype = getattr(args, "dtype", "auto")
+    if getattr(args, "packing", "full_sentences") == "contiguous":
+        # The peer's rows: the text cut into full rows wherever a sentence stops (no short rows).
+        c.data.packing, c.data.short_seq_prob = "contiguous", 0.0
     c.optim.learning_rate = args.lr
     c.optim.warmup_fraction = 0.1
     c.log_every = max(1, steps // 10)
@@ -188,8 +193,9 @@ def stage1(args) -> str:
 
     c = make_config("mlm", {}, init=args.minilm, train=args.stage1_train, steps=args.stage1_steps, args=args,
                     seed=0)
-    # Fixed whatever stage 2's settings: one init for every study in --out.
+    # Fixed whatever stage 2's settings (--dtype aside): one init for every study in --out.
     c.max_len, c.global_batch_size = 64, 16
+    c.data.packing, c.data.short_seq_prob = "full_sentences", 0.1
     c.export_at_end, c.hf_export_every = True, 0
     workdir = os.path.join(args.out, "stage1")
     _finished(loop.train_and_evaluate(c, workdir), "stage 1", workdir)   # a rerun resumes its workdir
@@ -277,7 +283,7 @@ class Measurer:
                                            args=args, seed=args.seed)
         # The training loop's model, teacher, eval step and special ids, on one device.
         prog = setup.build_program(config, jax.devices()[:1])
-        self.compute_dtype = compute_dtype(args)
+        self.compute_dtype, self.packing = compute_dtype(args), args.packing
         self.model, self.teacher_model, self.mesh = prog.model, prog.teacher_model, prog.mesh
         self.p_eval, self.eval_ratios = prog.eval_step, prog.eval_ratios
         self.init_params = setup.hf_params_for(config, prog.model)
@@ -307,7 +313,7 @@ class Measurer:
         out.update(heldout_mlm_acc=h.get("mlm_acc"), heldout_mlm_loss=h.get("mlm_loss"),
                    heldout_tacl_acc=h.get("tacl_acc"), heldout_tacl_loss=h.get("tacl_loss"),
                    sentences=len(self.ids), eval_rows=len(self.batches) * len(self.batches[0]["input_ids"]),
-                   compute_dtype=self.compute_dtype)
+                   compute_dtype=self.compute_dtype, packing=self.packing)
         return out
 
 
@@ -418,16 +424,20 @@ def compute_dtype(args) -> str:
     return precision.resolve_compute_dtype(args.dtype, precision.platform_of(jax.devices()))
 
 
-def check_dtype(args, result: dict | None, path: str) -> dict | None:
+def check_recorded(args, result: dict | None, path: str) -> dict | None:
     """``result`` (tacl_jax's, cached at ``path``), refused when it was computed in another dtype
-    than ``--dtype`` gives here: one summary never mixes bf16 and f32 arms. Results written before
-    the dtype was recorded pass (their dtype is unknown; on a CPU with AVX-512 BF16 it was bf16)."""
-    if result is None or "compute_dtype" not in result:
+    or on other rows than ``--dtype``/``--packing`` give here: one summary never mixes bf16 and f32
+    arms, or padded and full rows. Results written before a setting was recorded pass it (unknown;
+    their dtype was bf16 on a CPU with AVX-512 BF16, and their rows full_sentences)."""
+    if result is None:
         return result
-    here = compute_dtype(args)
-    if result["compute_dtype"] != here:
+    if "compute_dtype" in result and result["compute_dtype"] != compute_dtype(args):
         raise SystemExit(f"{path} was computed in {result['compute_dtype']}, but --dtype={args.dtype} computes in "
-                         f"{here} here: pass --dtype={result['compute_dtype']}, or another --out for a {here} study")
+                         f"{compute_dtype(args)} here: pass --dtype={result['compute_dtype']}, or another --out for a "
+                         f"{compute_dtype(args)} study")
+    if "packing" in result and result["packing"] != args.packing:
+        raise SystemExit(f"{path} was trained on {result['packing']} rows, but this call asks for --packing="
+                         f"{args.packing}: pass --packing={result['packing']}, or another --out")
     return result
 
 
@@ -459,11 +469,11 @@ def run_seed(args, arms: list[str]) -> dict:
     # --peer_only: tacl_jax's init measures and arms are not run, but their cached results join the summary.
     ours = not args.peer_only
     path = os.path.join(seed_dir, "init.json")
-    results = {"init": check_dtype(args, _cached(path, (lambda: get_measurer()(get_measurer().init_params))
+    results = {"init": check_recorded(args, _cached(path, (lambda: get_measurer()(get_measurer().init_params))
                                                  if ours else None), path)}
     for arm in arms:
         path = os.path.join(seed_dir, f"{arm}.json")
-        results[arm] = check_dtype(args, _cached(path, (lambda: run_arm(args, arm, get_measurer(), seed_dir))
+        results[arm] = check_recorded(args, _cached(path, (lambda: run_arm(args, arm, get_measurer(), seed_dir))
                                                  if ours else None), path)
     results = {name: r for name, r in results.items() if r is not None}
     if args.peer or args.peer_only:
@@ -605,6 +615,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="tacl_jax's compute dtype (model.dtype), both stages: 'auto' is bf16 on a CPU with AVX-512 "
                         "BF16 or AMX and on TPU/GPU, else f32; float32 is the peer's arithmetic. Recorded in every "
                         "result (compute_dtype); a cached result of another dtype is refused")
+    p.add_argument("--packing", default="full_sentences", choices=("full_sentences", "contiguous"),
+                   help="tacl_jax's stage-2 rows (data.packing): full_sentences (whole sentences, short rows 10%%: "
+                        "~48 of 64 tokens a row on wikitext-2) or contiguous (the peer's rows: the text cut into "
+                        "full rows anywhere). Recorded in every result; a cached result of another is refused")
     p.add_argument("--sentences", type=int, default=500, help="sentences of --heldout for the measures")
     p.add_argument("--eval_batches", type=int, default=16)
     p.add_argument("--init", default=None, help="an MLM-trained BERT folder: skips stage 1")

@@ -83,6 +83,47 @@ def test_documents_are_separated_by_sep_in_full_sentences():
     np.testing.assert_array_equal(rows[0].input_ids, [CLS, 1000, 1001, SEP, 2000, SEP])
 
 
+@pytest.mark.parametrize("max_len,short", [(16, 0.0), (64, 0.0), (64, 0.1), (5, 0.0)])
+def test_contiguous_rows_are_full_and_cut_the_corpus_in_order(max_len, short):
+    """Every token once, in corpus order; rows of exactly max_len but the last (short_seq_prob 0) and
+    one where a document ends a token before the row does;
+    one [SEP] exactly where two documents meet inside a row, never at a row's edge; a row's first
+    text token is a word start."""
+    docs = _corpus(seed=max_len + int(10 * short), max_sentence=40)
+    packer, rows = _pack(packing.ContiguousPacker, docs, max_len, short)
+    assert packer.num_tokens == len(_content(docs)) and packer.num_cut_sentences == 0
+    doc_of = {int(t): d for d, doc in enumerate(docs) for ids, _ in doc for t in ids}
+    content = []
+    for r in range(len(rows)):
+        row = rows[r]
+        ids = row.input_ids
+        assert ids[0] == CLS and ids[-1] == SEP and row.segment_a_len == len(ids)
+        if short == 0.0 and r < len(rows) - 1:
+            # one short only where a document ends a token before the row: its [SEP] has no room
+            nxt = int(rows[r + 1].input_ids[1])
+            assert len(ids) == max_len or (len(ids) == max_len - 1 and doc_of[nxt] != doc_of[int(ids[-2])])
+        inner = ids[1:-1]
+        assert inner[0] != SEP and inner[-1] != SEP and row.word_starts[1] == 1
+        text = inner[inner != SEP]
+        # a [SEP] inside a row sits exactly between the last token of one document and the next's first
+        meets = [i for i in range(1, len(text)) if doc_of[int(text[i])] != doc_of[int(text[i - 1])]]
+        assert list(np.flatnonzero(inner == SEP)) == [i + k for k, i in enumerate(meets)]
+        content.append(text)
+    np.testing.assert_array_equal(np.concatenate(content), _content(docs))
+
+
+def test_contiguous_one_document_is_the_peers_rows():
+    """One document: rows are [CLS] + consecutive (max_len − 2)-token slices + [SEP], as
+    bench/torch_peer.py cuts its rows (which drops the ragged tail this packer keeps)."""
+    doc = [(np.arange(1000, 1000 + n, dtype=np.int32), np.ones(n, np.uint8)) for n in (7, 30, 3, 19)]
+    _, rows = _pack(packing.ContiguousPacker, [doc], max_len=12, short_seq_prob=0.0)
+    stream = _content([doc])
+    want = [[CLS, *stream[s:s + 10], SEP] for s in range(0, len(stream), 10)]
+    assert [list(rows[r].input_ids) for r in range(len(rows))] == want
+    assert packing.make_packer("contiguous", max_len=12, cls_id=CLS, sep_id=SEP, short_seq_prob=0.0,
+                               rng=np.random.default_rng(0)).__class__ is packing.ContiguousPacker
+
+
 @pytest.mark.parametrize("max_len", [8, 32, 128])
 def test_nsp_pairs_well_formed_and_own_text_covered_once(max_len):
     docs = _corpus(seed=max_len, num_docs=60)

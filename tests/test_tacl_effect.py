@@ -322,17 +322,20 @@ def test_peer_only_runs_the_peer_and_reads_ours_from_the_cache(tacl_effect, tmp_
     assert tacl_effect.run_seed(args, ["mlm", "tacl"]) == res and ran == []     # the second call: all cached
 
 
-def test_dtype_reaches_the_config_and_a_cached_result_of_another_dtype_is_refused(tacl_effect, tmp_path,
+def test_dtype_and_packing_reach_the_config_and_a_cached_result_of_others_is_refused(tacl_effect, tmp_path,
                                                                                     monkeypatch):
-    """--dtype sets model.dtype of every arm (default 'auto'); a cached tacl_jax result computed in
-    another dtype stops the study with a message naming both (never a summary mixing bf16 and f32),
-    one in the same dtype or from before the dtype was recorded is read as it is."""
-    assert tacl_effect.parse_args([f"--out={tmp_path}"]).dtype == "auto"
-    args = _arm_args(tacl_effect, tmp_path, "--dtype=float32")
+    """--dtype sets model.dtype of every arm (default 'auto'), --packing its rows; a cached tacl_jax
+    result computed in another dtype or on other rows stops the study with a message naming both
+    (never a summary mixing bf16 and f32), one of the same or from before they were recorded is read."""
+    defaults = tacl_effect.parse_args([f"--out={tmp_path}"])
+    assert (defaults.dtype, defaults.packing) == ("auto", "full_sentences")
+    c = tacl_effect.make_config("tacl", {}, init="/x", train="/y.txt", steps=10, args=defaults, seed=0)
+    assert (c.data.packing, c.data.short_seq_prob) == ("full_sentences", 0.1)
+    args = _arm_args(tacl_effect, tmp_path, "--dtype=float32", "--packing=contiguous")
     for arm in ("mlm", "tacl", "tau=0.1"):
         objective, overrides = tacl_effect.arm_spec(arm)
         c = tacl_effect.make_config(objective, overrides, init="/x", train="/y.txt", steps=10, args=args, seed=0)
-        assert c.model.dtype == "float32"
+        assert (c.model.dtype, c.data.packing, c.data.short_seq_prob) == ("float32", "contiguous", 0.0)
     monkeypatch.setattr(tacl_effect, "run_arm", lambda *a: pytest.fail("a cached arm must not be trained"))
     seed_dir = tmp_path / "seed_3"
     seed_dir.mkdir()
@@ -343,8 +346,12 @@ def test_dtype_reaches_the_config_and_a_cached_result_of_another_dtype_is_refuse
     with pytest.raises(SystemExit, match=r"tacl.json was computed in bfloat16, but --dtype=float32 computes in "
                                          r"float32 here: pass --dtype=bfloat16, or another --out"):
         tacl_effect.run_seed(args, ["mlm", "tacl"])
-    args = _arm_args(tacl_effect, tmp_path, "--dtype=bfloat16")
+    args = _arm_args(tacl_effect, tmp_path, "--dtype=bfloat16", "--packing=contiguous")
     assert tacl_effect.run_seed(args, ["tacl"])["tacl"]["compute_dtype"] == "bfloat16"
+    (seed_dir / "tacl.json").write_text('{"self_similarity": [0.5, 0.29], "packing": "full_sentences"}')
+    with pytest.raises(SystemExit, match=r"tacl.json was trained on full_sentences rows, but this call asks for "
+                                         r"--packing=contiguous: pass --packing=full_sentences, or another --out"):
+        tacl_effect.run_seed(args, ["tacl"])
 
 
 def test_trajectory_summary_pairs_each_step_like_the_final_one(tacl_effect):
