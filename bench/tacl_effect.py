@@ -166,7 +166,7 @@ def make_config(objective: str, overrides: dict, *, init: str, train: str, steps
     # CPU with AVX-512 BF16 or AMX (and on TPU/GPU), f32 on others (tacl_jax.precision).
     c.model.dtype = getattr(args, "dtype", "auto")
     if getattr(args, "packing", "full_sentences") == "contiguous":
-        # The peer's rows: the text cut into full rows wherever a sentence stops (no short rows).
+        # The peer's rows: the text cut into full rows wherever a row fills, mid-sentence too (no short rows).
         c.data.packing, c.data.short_seq_prob = "contiguous", 0.0
     c.optim.learning_rate = args.lr
     c.optim.warmup_fraction = 0.1

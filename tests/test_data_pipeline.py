@@ -76,6 +76,25 @@ def test_batches_are_well_formed_text(corpus_path, tokenizer_dir):
     assert (batch["word_starts"][~special & ~dots] == 1).all()
 
 
+def test_contiguous_rows_hold_the_full_sentence_rows_text_without_padding(corpus_path, tokenizer_dir):
+    """data.packing='contiguous' on a text source: the same text as 'full_sentences' in the same
+    order (specials aside), in rows that are full but where a document's [SEP] found no room or a
+    shard ended."""
+    kw = dict(max_len=MAX_LEN, tokenizer_dir=tokenizer_dir, vocab_size=30522,
+              special_ids=testing.SPECIAL_IDS, with_nsp=False)
+    text, lengths = {}, {}
+    for mode in ("full_sentences", "contiguous"):
+        rows, _ = pipeline.open_rows(_config(f"text:{corpus_path}", packing=mode, short_seq_prob=0.0), "train", **kw)
+        ids = [rows[r].input_ids for r in range(len(rows))]
+        text[mode] = np.concatenate([r[~np.isin(r, [101, 102])] for r in ids])
+        lengths[mode] = np.array([len(r) for r in ids])
+    np.testing.assert_array_equal(text["contiguous"], text["full_sentences"])
+    # shards are packed apart: each ends with its ragged tail
+    assert (lengths["contiguous"] < MAX_LEN - 1).sum() <= data.default_config().num_shards
+    assert lengths["contiguous"].mean() > MAX_LEN - 0.5
+    assert lengths["full_sentences"].mean() < MAX_LEN - 2     # whole sentences leave room unused
+
+
 def test_batch_is_a_function_of_seed_and_step_and_resumes(corpus_path, tokenizer_dir):
     cfg = _config(f"text:{corpus_path}")
     run = _take(data.make_train_iterator(cfg, **_kwargs(tokenizer_dir)), 6)
