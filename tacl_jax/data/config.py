@@ -37,8 +37,8 @@ def default_config() -> ml_collections.ConfigDict:
     # most max_len, crossing documents with an extra [SEP] between them; every corpus token lands in
     # exactly one row. 'nsp_pairs' (BERT, the original TaCL): [CLS] A [SEP] B [SEP] with B the actual
     # continuation or, with probability 1/2, a span of another document (next_sentence_label=1).
-    # 'contiguous' (Hugging Face run_mlm's group_texts): the text cut into full rows wherever a
-    # sentence stops, documents joined by one [SEP]; no padding (full_sentences pads ~25% at L 64).
+    # 'contiguous' (Hugging Face run_mlm's group_texts): the text cut into full rows wherever a row
+    # fills, mid-sentence too, documents joined by one [SEP]; no padding (full_sentences pads ~25% at L 64).
     c.packing = "full_sentences"
     # Probability that a row targets a random shorter length in [2, max_len - 2] (BERT: 0.1);
     # 0 packs every row as full as whole sentences allow.

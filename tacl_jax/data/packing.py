@@ -12,8 +12,8 @@ A *sentence* is ``(ids int32 [n], word_starts uint8 [n])`` without special token
   except that nothing is truncated: a chunk never exceeds the row.
 - :class:`ContiguousPacker` (Hugging Face ``run_mlm``'s ``group_texts``; the rows of the TaCL effect
   study's PyTorch peer): the text in corpus order cut into rows of exactly the target length,
-  wherever a sentence or a word stops, documents joined by one ``[SEP]`` inside a row (none at a
-  row's edge: a row where a document ends one token early stays one token short). Next to no
+  wherever the row fills, mid-sentence or mid-word, documents joined by one ``[SEP]`` inside a row
+  (none at a row's edge: a row where a document ends one token early stays one short). Next to no
   padding: ``max_len`` tokens a row, where ``full_sentences`` fills ~75% at ``max_len`` 64 on
   wikitext-2 (48.3 of 64 real tokens a row with short_seq_prob 0.1).
 
