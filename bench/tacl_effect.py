@@ -39,6 +39,10 @@ implementations the same arithmetic. Every tacl_jax result records its ``compute
 cached result of another dtype is refused (one ``--out`` per dtype). ``--packing`` is the same for
 stage 2's rows: 'full_sentences' (whole sentences, ~48 of 64 tokens a row on wikitext-2, the
 default) or 'contiguous' (the peer's full rows, cut anywhere; ``tacl_jax.data.packing``).
+``--adam_eps`` (default 1e-8; the peer's 1e-6) and ``--masking_budget`` (default 'bert': round(15%)
+of a row's tokens; 'bernoulli': each token with probability 0.15, the peer's) are stage 2's AdamW
+eps and masking rule; every arm records them and a cached arm of others is refused. The held-out
+metrics always mask with 'bert', so they stay comparable across studies.
 
 ``--measure_every N``: every arm also exports its student each N steps and measures those exports
 the same way after its run (``trajectory`` in its result; ``trajectory`` in the summary pairs
@@ -168,6 +172,9 @@ def make_config(objective: str, overrides: dict, *, init: str, train: str, steps
     if getattr(args, "packing", "full_sentences") == "contiguous":
         # The peer's rows: the text cut into full rows wherever a row fills, mid-sentence too (no short rows).
         c.data.packing, c.data.short_seq_prob = "contiguous", 0.0
+    # The peer's optimiser and masking (--adam_eps, --masking_budget), one at a time.
+    c.optim.eps = getattr(args, "adam_eps", TRAINED_BEFORE_RECORDED["adam_eps"])
+    c.masking.budget = getattr(args, "masking_budget", TRAINED_BEFORE_RECORDED["masking_budget"])
     c.optim.learning_rate = args.lr
     c.optim.warmup_fraction = 0.1
     c.log_every = max(1, steps // 10)
@@ -196,6 +203,7 @@ def stage1(args) -> str:
     # Fixed whatever stage 2's settings (--dtype aside): one init for every study in --out.
     c.max_len, c.global_batch_size = 64, 16
     c.data.packing, c.data.short_seq_prob = "full_sentences", 0.1
+    c.optim.eps, c.masking.budget = TRAINED_BEFORE_RECORDED["adam_eps"], TRAINED_BEFORE_RECORDED["masking_budget"]
     c.export_at_end, c.hf_export_every = True, 0
     workdir = os.path.join(args.out, "stage1")
     _finished(loop.train_and_evaluate(c, workdir), "stage 1", workdir)   # a rerun resumes its workdir
@@ -279,11 +287,14 @@ class Measurer:
         from tacl_jax.train import metrics, setup
 
         self.jax, self.jnp, self.metrics, self.isotropy, self.setup = jax, jnp, metrics, isotropy, setup
-        self.config = config = make_config("tacl", {}, init=args.init, train=args.train, steps=args.steps,
-                                           args=args, seed=args.seed)
+        config = make_config("tacl", {}, init=args.init, train=args.train, steps=args.steps, args=args,
+                             seed=args.seed)
+        # Held-out metrics mask as every study does, whatever --masking_budget trains with.
+        config.masking.budget = "bert"
+        self.config = config
         # The training loop's model, teacher, eval step and special ids, on one device.
         prog = setup.build_program(config, jax.devices()[:1])
-        self.compute_dtype, self.packing = compute_dtype(args), args.packing
+        self.compute_dtype, self.packing = prog.model.config.dtype, args.packing   # 'auto' resolved
         self.model, self.teacher_model, self.mesh = prog.model, prog.teacher_model, prog.mesh
         self.p_eval, self.eval_ratios = prog.eval_step, prog.eval_ratios
         self.init_params = setup.hf_params_for(config, prog.model)
@@ -345,7 +356,8 @@ def run_arm(args, arm: str, measurer: Measurer, seed_dir: str) -> dict:
                 continue
             out["trajectory"][str(step)] = measurer(measurer.params_of(folder))
     out.update(arm=arm, objective=objective, overrides=overrides, train_last_metrics=last,
-               train_s=round(train_s, 1), resumed_from=resumed_from)
+               train_s=round(train_s, 1), resumed_from=resumed_from, adam_eps=config.optim.eps,
+               masking_budget=config.masking.budget)
     if not args.keep_runs:
         shutil.rmtree(workdir)
     return out
@@ -424,20 +436,35 @@ def compute_dtype(args) -> str:
     return precision.resolve_compute_dtype(args.dtype, precision.platform_of(jax.devices()))
 
 
-def check_recorded(args, result: dict | None, path: str) -> dict | None:
-    """``result`` (tacl_jax's, cached at ``path``), refused when it was computed in another dtype
-    or on other rows than ``--dtype``/``--packing`` give here: one summary never mixes bf16 and f32
-    arms, or padded and full rows. Results written before a setting was recorded pass it (unknown;
-    their dtype was bf16 on a CPU with AVX-512 BF16, and their rows full_sentences)."""
+# What tacl_jax's arms trained with before the bench recorded these settings (the config's defaults).
+TRAINED_BEFORE_RECORDED = {"adam_eps": 1e-8, "masking_budget": "bert"}
+# Recorded setting -> the flag that sets it.
+RECORDED_FLAGS = {"compute_dtype": "--dtype", "packing": "--packing", "adam_eps": "--adam_eps",
+                  "masking_budget": "--masking_budget"}
+
+
+def check_recorded(args, result: dict | None, path: str, *, trained: bool = True) -> dict | None:
+    """``result`` (tacl_jax's, cached at ``path``), refused when it was computed in another dtype,
+    on other rows, or (``trained``: an arm, not the init's measures) with another AdamW eps or
+    masking rule than the flags give here: one summary never mixes bf16 and f32 arms, padded and
+    full rows, or two recipes. A result written before its dtype or rows were recorded passes them
+    (unknown; bf16 on a CPU with AVX-512 BF16, full_sentences); one before eps and masking were
+    recorded trained with ``TRAINED_BEFORE_RECORDED``."""
     if result is None:
         return result
-    if "compute_dtype" in result and result["compute_dtype"] != compute_dtype(args):
-        raise SystemExit(f"{path} was computed in {result['compute_dtype']}, but --dtype={args.dtype} computes in "
-                         f"{compute_dtype(args)} here: pass --dtype={result['compute_dtype']}, or another --out for a "
-                         f"{compute_dtype(args)} study")
-    if "packing" in result and result["packing"] != args.packing:
-        raise SystemExit(f"{path} was trained on {result['packing']} rows, but this call asks for --packing="
-                         f"{args.packing}: pass --packing={result['packing']}, or another --out")
+    want = {"compute_dtype": compute_dtype(args), "packing": args.packing}
+    if trained:
+        want.update(adam_eps=args.adam_eps, masking_budget=args.masking_budget)
+    for key, value in want.items():
+        have = result.get(key, TRAINED_BEFORE_RECORDED.get(key))
+        if have is None or have == value:
+            continue
+        flag = RECORDED_FLAGS[key]
+        if key == "compute_dtype":
+            raise SystemExit(f"{path} was computed in {have}, but --dtype={args.dtype} computes in {value} here: "
+                             f"pass --dtype={have}, or another --out for a {value} study")
+        raise SystemExit(f"{path} was trained with {key} {have}, but this call asks for {flag}={value}: "
+                         f"pass {flag}={have}, or another --out")
     return result
 
 
@@ -470,7 +497,7 @@ def run_seed(args, arms: list[str]) -> dict:
     ours = not args.peer_only
     path = os.path.join(seed_dir, "init.json")
     results = {"init": check_recorded(args, _cached(path, (lambda: get_measurer()(get_measurer().init_params))
-                                                 if ours else None), path)}
+                                                 if ours else None), path, trained=False)}
     for arm in arms:
         path = os.path.join(seed_dir, f"{arm}.json")
         results[arm] = check_recorded(args, _cached(path, (lambda: run_arm(args, arm, get_measurer(), seed_dir))
@@ -619,6 +646,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="tacl_jax's stage-2 rows (data.packing): full_sentences (whole sentences, short rows 10%%: "
                         "~48 of 64 tokens a row on wikitext-2) or contiguous (the peer's rows: the text cut into "
                         "full rows anywhere). Recorded in every result; a cached result of another is refused")
+    p.add_argument("--adam_eps", type=float, default=TRAINED_BEFORE_RECORDED["adam_eps"],
+                   help="tacl_jax's AdamW eps in stage 2 (optim.eps; the peer's and the authors' is 1e-6). "
+                        "Recorded in every arm's result; a cached arm of another is refused")
+    p.add_argument("--masking_budget", default=TRAINED_BEFORE_RECORDED["masking_budget"],
+                   choices=("bert", "tacl", "bernoulli"),
+                   help="tacl_jax's stage-2 masking rule (masking.budget): bert (round(15%%) of a row's tokens), "
+                        "or bernoulli (each token with probability 0.15: the peer's). Recorded like --adam_eps")
     p.add_argument("--sentences", type=int, default=500, help="sentences of --heldout for the measures")
     p.add_argument("--eval_batches", type=int, default=16)
     p.add_argument("--init", default=None, help="an MLM-trained BERT folder: skips stage 1")

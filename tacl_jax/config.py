@@ -93,13 +93,15 @@ def default_config() -> ml_collections.ConfigDict:
     c.masking.mask_prob = 0.15
     c.masking.replace_prob = 0.8         # of the selected: → [MASK]
     c.masking.random_prob = 0.1          # of the selected: → random token (rest unchanged)
-    # slots per sequence; 0 = round(mask_prob · max_len) (budget 'tacl' with whole words: at least max_len // 4)
+    # slots per sequence; 0 = round(mask_prob · max_len) (budget 'tacl' with whole words: at least max_len // 4;
+    # 'bernoulli': enough that a full row overflows them with probability ≤ 1e-6)
     c.masking.max_predictions = 0
     c.masking.whole_word = False
     # How many positions a row selects (tacl_jax.objectives.masking): 'bert' = max(1, round(mask_prob · n))
     # sub-tokens, n the row's real tokens (whole words fill that budget: BERT's rule); 'tacl' = the TaCL
     # authors' code: the same capped at max_len // 4 for sub-words, min(w // 4, max(1, round(mask_prob · w)))
-    # whole words of the row's w words with whole_word (every sub-token of them).
+    # whole words of the row's w words with whole_word (every sub-token of them); 'bernoulli' = each
+    # sub-token independently with probability mask_prob (Hugging Face's collator; sub-words only).
     c.masking.budget = "bert"
 
     c.tacl = ml_collections.ConfigDict()
@@ -415,6 +417,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
     if c.masking.replace_prob + c.masking.random_prob > 1:
         raise ConfigError(f"config.masking: replace_prob + random_prob = {c.masking.replace_prob} + "
                          f"{c.masking.random_prob} > 1 (they split the selected tokens; the rest stay)")
+    if c.masking.budget == "bernoulli" and c.masking.whole_word:
+        raise ConfigError("config.masking.budget='bernoulli' draws sub-tokens one by one and cannot mask whole "
+                          "words: set masking.whole_word=False, or budget 'bert' or 'tacl'")
     if c.objective == "coco_lm" and c.masking.budget != "bert":
         raise ConfigError(f"config.masking.budget={c.masking.budget!r} is not wired into the COCO-LM step "
                          "(tacl_jax.train.coco_step), which masks with 'bert': use it with objective 'tacl' or 'mlm'")

@@ -311,3 +311,76 @@ def test_step_config_carries_the_budget_and_its_slots():
     assert sc.budget == "tacl" and sc.max_predictions == c.max_len // 4
     c.masking.max_predictions = 12
     assert step_config_from(c, special).max_predictions == 12
+    c.masking.budget, c.masking.whole_word, c.masking.max_predictions = "bernoulli", False, 0
+    sc = step_config_from(c, special)
+    assert sc.budget == "bernoulli" and sc.max_predictions == num_predictions(c.max_len, budget="bernoulli")
+
+
+# ----------------------------------------------------------------------------- budget 'bernoulli'
+
+def test_bernoulli_budget_draws_each_candidate_independently():
+    """Hugging Face's collator (and the effect study's peer): over many draws each candidate is
+    selected with probability 0.15, so a row's count is Binomial(candidates, 0.15) — its variance
+    too, which a fixed-count rule (variance 0) fails — and rows with no candidates select nothing."""
+    length, draws = 64, 40
+    lengths = [64] * 30 + [2, 20]
+    batch = _rows(lengths, length, seed=2)
+    ids, am = batch["input_ids"], batch["attention_mask"]
+    p = num_predictions(length, budget="bernoulli")
+    cand = (am > 0) & ~np.isin(ids, SPECIAL_IDS)
+    counts, hits = [], np.zeros(ids.shape)
+    for seed in range(draws):
+        m = _mask_budget(batch, seed, whole_word=False, budget="bernoulli", p=p)
+        _check_slots(m, ids)
+        assert not np.any(m.selected.astype(bool) & ~cand)
+        counts.append(m.selected.sum(1))
+        hits += m.selected
+    counts = np.asarray(counts)                            # [draws, rows]
+    assert np.all(counts[:, 30] == 0)                      # [CLS] [SEP]: no candidate
+    n = cand[:30].sum(1)                                   # ~59 candidates a full row ([UNK]s vary)
+    dev = (counts[:, :30] - 0.15 * n).ravel()              # 1,200 draws of count − its Binomial mean
+    var = 0.15 * 0.85 * n.mean()
+    assert abs(dev.mean()) < 4 * np.sqrt(var / dev.size)
+    assert 0.8 * var < np.mean(dev ** 2) < 1.2 * var
+    freq = hits[:30][cand[:30]] / draws                    # per position: ~0.15 everywhere
+    assert abs(freq.mean() - 0.15) < 0.01 and freq.std() < 0.1
+    # The 80/10/10 split is kept.
+    n_mask, n_keep, n_rand = _tally(m, ids)
+    assert n_mask > 3 * (n_keep + n_rand)
+
+
+def test_bernoulli_slots_and_overflow():
+    """Slots: the smallest k with P(Binomial(max_len, p) > k) ≤ 1e-6 (an exact float64 sum here too);
+    a row that draws more than its slots keeps exactly that many of the drawn positions."""
+    import math
+
+    def tail(n, p, k):
+        return sum(math.comb(n, j) * p ** j * (1 - p) ** (n - j) for j in range(k + 1, n + 1))
+
+    for length, prob in ((64, 0.15), (128, 0.15), (256, 0.15), (32, 0.4)):
+        k = num_predictions(length, prob, budget="bernoulli")
+        assert tail(length, prob, k) <= 1e-6 < tail(length, prob, k - 1)
+    assert num_predictions(128, budget="bernoulli") == 41
+    batch = _rows([64] * 8, 64, seed=3)
+    ids = batch["input_ids"]
+    big = _mask_budget(batch, 5, whole_word=False, budget="bernoulli", p=num_predictions(64, budget="bernoulli"))
+    small = _mask_budget(batch, 5, whole_word=False, budget="bernoulli", p=4)
+    _check_slots(small, ids)
+    np.testing.assert_array_equal(small.selected.sum(1), np.minimum(big.selected.sum(1), 4))
+    assert np.all(small.selected <= big.selected)          # a subset of the same draw
+
+
+def test_bernoulli_refuses_whole_words():
+    from tacl_jax.config import ConfigError, default_config, validate
+
+    batch = _rows([20], 32, seed=0)
+    with pytest.raises(ValueError, match="whole-word masking needs budget 'bert' or 'tacl'"):
+        _mask_budget(batch, 0, whole_word=True, budget="bernoulli", p=10)
+    with pytest.raises(ValueError, match="no count table"):
+        selection_count(jnp.arange(3), max_len=8, budget="bernoulli")
+    c = default_config()
+    c.init.from_scratch = True
+    validate(c)
+    c.masking.budget, c.masking.whole_word = "bernoulli", True
+    with pytest.raises(ConfigError, match="set masking.whole_word=False"):
+        validate(c)

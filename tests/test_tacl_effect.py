@@ -349,9 +349,42 @@ def test_dtype_and_packing_reach_the_config_and_a_cached_result_of_others_is_ref
     args = _arm_args(tacl_effect, tmp_path, "--dtype=bfloat16", "--packing=contiguous")
     assert tacl_effect.run_seed(args, ["tacl"])["tacl"]["compute_dtype"] == "bfloat16"
     (seed_dir / "tacl.json").write_text('{"self_similarity": [0.5, 0.29], "packing": "full_sentences"}')
-    with pytest.raises(SystemExit, match=r"tacl.json was trained on full_sentences rows, but this call asks for "
-                                         r"--packing=contiguous: pass --packing=full_sentences, or another --out"):
+    with pytest.raises(SystemExit, match=r"tacl.json was trained with packing full_sentences, but this call asks "
+                                         r"for --packing=contiguous: pass --packing=full_sentences, or another --out"):
         tacl_effect.run_seed(args, ["tacl"])
+
+
+def test_eps_and_masking_budget_reach_stage_2_only_and_a_cached_arm_of_others_is_refused(tacl_effect, tmp_path,
+                                                                                        monkeypatch):
+    """--adam_eps and --masking_budget set optim.eps and masking.budget of every stage-2 arm (defaults:
+    the config's 1e-8 and 'bert'); a cached arm trained with others — or, unrecorded, before the flags
+    existed (so with the defaults) — is refused when the call asks for others; the init's measures
+    (nothing trained) are read whatever the flags."""
+    defaults = tacl_effect.parse_args([f"--out={tmp_path}"])
+    c = tacl_effect.make_config("tacl", {}, init="/x", train="/y.txt", steps=10, args=defaults, seed=0)
+    assert (c.optim.eps, c.masking.budget) == (1e-8, "bert")
+    args = _arm_args(tacl_effect, tmp_path, "--adam_eps=1e-6", "--masking_budget=bernoulli")
+    for arm in ("mlm", "tacl", "tacl_only"):
+        objective, overrides = tacl_effect.arm_spec(arm)
+        c = tacl_effect.make_config(objective, overrides, init="/x", train="/y.txt", steps=10, args=args, seed=0)
+        assert (c.optim.eps, c.masking.budget) == (1e-6, "bernoulli")
+    monkeypatch.setattr(tacl_effect, "run_arm", lambda *a: pytest.fail("a cached arm must not be trained"))
+    seed_dir = tmp_path / "seed_3"
+    seed_dir.mkdir()
+    (seed_dir / "init.json").write_text('{"self_similarity": [0.5, 0.18]}')
+    (seed_dir / "mlm.json").write_text('{"self_similarity": [0.5, 0.17], "adam_eps": 1e-06, '
+                                       '"masking_budget": "bernoulli"}')
+    (seed_dir / "tacl.json").write_text('{"self_similarity": [0.5, 0.29]}')          # from before: 1e-8, bert
+    assert set(tacl_effect.run_seed(args, ["mlm"])) == {"init", "mlm"}
+    with pytest.raises(SystemExit, match=r"tacl.json was trained with adam_eps 1e-08, but this call asks for "
+                                         r"--adam_eps=1e-06: pass --adam_eps=1e-08, or another --out"):
+        tacl_effect.run_seed(args, ["mlm", "tacl"])
+    args = _arm_args(tacl_effect, tmp_path, "--adam_eps=1e-6")
+    with pytest.raises(SystemExit, match=r"mlm.json was trained with masking_budget bernoulli, but this call asks "
+                                         r"for --masking_budget=bert: pass --masking_budget=bernoulli"):
+        tacl_effect.run_seed(args, ["mlm"])
+    args = _arm_args(tacl_effect, tmp_path)
+    assert set(tacl_effect.run_seed(args, ["tacl"])) == {"init", "tacl"}
 
 
 def test_trajectory_summary_pairs_each_step_like_the_final_one(tacl_effect):

@@ -21,6 +21,13 @@ How many positions a row selects (``budget``, config ``masking.budget``; :func:`
   sub-tokens would overflow the ``max_predictions`` slots is skipped and the next one taken
   (:func:`num_predictions` gives this rule ``int(0.25 · max_len)`` slots: to overflow them the
   drawn words would have to average about 1.7 times the row's sub-tokens per word).
+* ``'bernoulli'`` (Hugging Face's ``DataCollatorForLanguageModeling``; the effect study's PyTorch
+  peer, ``bench/torch_peer.py``): every candidate sub-token selected independently with
+  probability ``mask_prob``, so the count varies from row to row (Binomial, mean ``mask_prob`` ·
+  candidates) where the other rules fix it. Sub-words only. Slots are static, so a row that draws
+  more than ``max_predictions`` keeps a uniform subset of that many; :func:`num_predictions` gives
+  this rule enough slots that a row of ``max_len`` candidates overflows them with probability
+  ≤ 1e-6 (41 slots at 128 tokens where 'bert' has 19: a larger MLM-head matmul is the price).
 
 The counts are table look-ups computed with Python's float64 ``round`` (half to even), so ``k(n)``
 is the original's bit for bit (float32 ``round(0.15 · 190)`` is 29, Python's is 28).
@@ -34,6 +41,7 @@ static; slots beyond the selection have weight 0. 80/10/10 is decided per sub-to
 from __future__ import annotations
 
 import functools
+import math
 from typing import Sequence
 
 import flax.struct
@@ -41,8 +49,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-BUDGETS = ("bert", "tacl")
+BUDGETS = ("bert", "tacl", "bernoulli")
 TACL_CAP = 0.25    # the TaCL authors' cap: max_len · 0.25 sub-tokens, int(0.25 · w) whole words
+BERNOULLI_OVERFLOW = 1e-6    # 'bernoulli': the chance that a full row draws more than its slots
 
 
 @flax.struct.dataclass
@@ -63,17 +72,32 @@ def num_predictions(max_len: int, mask_prob: float = 0.15, *, budget: str = "ber
                     whole_word: bool = False) -> int:
     """Static number of prediction slots for sequences of ``max_len``: never truncates the count
     rule, since n ≤ max_len; with ``budget='tacl'`` and whole words, ``int(0.25 · max_len)`` if more
-    (the whole words' sub-tokens are not bounded by the count)."""
+    (the whole words' sub-tokens are not bounded by the count); with ``'bernoulli'`` the smallest
+    ``k`` with P(Binomial(max_len, mask_prob) > k) ≤ 1e-6."""
+    if budget == "bernoulli":
+        return min(_binomial_quantile(int(max_len), float(mask_prob), BERNOULLI_OVERFLOW), max_len)
     slots = max(1, int(round(mask_prob * max_len)))
     if budget == "tacl" and whole_word:
         slots = max(slots, int(max_len * TACL_CAP))
     return min(slots, max_len)
 
 
+def _binomial_quantile(n: int, p: float, tail: float) -> int:
+    """The smallest ``k ≥ 1`` with P(Binomial(n, p) > k) ≤ ``tail`` (exact sum, float64)."""
+    cdf = 0.0
+    for k in range(n + 1):
+        cdf += math.comb(n, k) * p ** k * (1 - p) ** (n - k)
+        if 1.0 - cdf <= tail:
+            return max(1, k)
+    return n
+
+
 @functools.lru_cache(maxsize=64)
 def _count_table(max_len: int, mask_prob: float, budget: str, words: bool) -> np.ndarray:
     if budget not in BUDGETS:
         raise ValueError(f"masking budget {budget!r}: use one of {BUDGETS}")
+    if budget == "bernoulli":
+        raise ValueError("the 'bernoulli' rule has no count table: each candidate is drawn on its own (mask_tokens)")
     if words and budget != "tacl":
         raise ValueError("a budget in words is the 'tacl' rule's (BERT's whole words spend a sub-token budget)")
     table = []
@@ -122,8 +146,12 @@ def mask_tokens(rng: jax.Array, input_ids: jax.Array, attention_mask: jax.Array,
 
     ``special_ids`` are never selected (pass [CLS], [SEP], [PAD], [UNK], [MASK]); padding
     (``attention_mask == 0``) never either. ``budget``: ``'bert'`` | ``'tacl'``, the count rule
-    (module docstring). Random replacements are uniform over the non-special vocabulary.
+    (module docstring), or ``'bernoulli'`` (sub-words only). Random replacements are uniform over
+    the non-special vocabulary.
     """
+    if budget == "bernoulli" and word_starts is not None:
+        raise ValueError("masking budget 'bernoulli' draws sub-tokens one by one: whole-word masking needs "
+                         "budget 'bert' or 'tacl'")
     b, length = input_ids.shape
     p = max_predictions
     k_sel, k_what, k_rand = jax.random.split(rng, 3)
@@ -133,7 +161,10 @@ def mask_tokens(rng: jax.Array, input_ids: jax.Array, attention_mask: jax.Array,
     score = jax.random.uniform(k_sel, (b, length))
 
     if word_starts is None:
-        count = selection_count(n_real, max_len=length, mask_prob=mask_prob, budget=budget)
+        if budget == "bernoulli":   # score ≥ 1 − mask_prob has probability mask_prob, per candidate
+            count = (candidate & (score >= 1.0 - mask_prob)).sum(-1)
+        else:
+            count = selection_count(n_real, max_len=length, mask_prob=mask_prob, budget=budget)
         count = jnp.minimum(jnp.minimum(count, p), candidate.sum(-1))  # only specials: nothing
         # The k highest random scores among the candidates are a uniform k-subset.
         ranked = jnp.where(candidate, score, -1.0)
