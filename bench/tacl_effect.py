@@ -172,7 +172,7 @@ def make_config(objective: str, overrides: dict, *, init: str, train: str, steps
     if getattr(args, "packing", "full_sentences") == "contiguous":
         # The peer's rows: the text cut into full rows wherever a row fills, mid-sentence too (no short rows).
         c.data.packing, c.data.short_seq_prob = "contiguous", 0.0
-    # The peer's optimiser and masking (--adam_eps, --masking_budget), one at a time.
+    # The peer's AdamW eps and mask draws, should the study take them (--adam_eps, --masking_budget).
     c.optim.eps = getattr(args, "adam_eps", TRAINED_BEFORE_RECORDED["adam_eps"])
     c.masking.budget = getattr(args, "masking_budget", TRAINED_BEFORE_RECORDED["masking_budget"])
     c.optim.learning_rate = args.lr
