@@ -361,6 +361,8 @@ def test_bernoulli_slots_and_overflow():
         k = num_predictions(length, prob, budget="bernoulli")
         assert tail(length, prob, k) <= 1e-6 < tail(length, prob, k - 1)
     assert num_predictions(128, budget="bernoulli") == 41
+    # Long rows: the mean plus ~5 sd (2,048 tokens: 307 ± 16), where an exact comb overflows a float.
+    assert 307 + 4 * 16 < num_predictions(2048, budget="bernoulli") < 307 + 6 * 16
     batch = _rows([64] * 8, 64, seed=3)
     ids = batch["input_ids"]
     big = _mask_budget(batch, 5, whole_word=False, budget="bernoulli", p=num_predictions(64, budget="bernoulli"))

@@ -83,10 +83,13 @@ def num_predictions(max_len: int, mask_prob: float = 0.15, *, budget: str = "ber
 
 
 def _binomial_quantile(n: int, p: float, tail: float) -> int:
-    """The smallest ``k ≥ 1`` with P(Binomial(n, p) > k) ≤ ``tail`` (exact sum, float64)."""
+    """The smallest ``k ≥ 1`` with P(Binomial(n, p) > k) ≤ ``tail`` (float64 sum of the pmf, each
+    term in log space: ``math.comb(n, k)`` overflows a float from n ≈ 2,000)."""
     cdf = 0.0
+    log_p, log_q = math.log(p), math.log1p(-p)
     for k in range(n + 1):
-        cdf += math.comb(n, k) * p ** k * (1 - p) ** (n - k)
+        cdf += math.exp(math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) + k * log_p
+                        + (n - k) * log_q)
         if 1.0 - cdf <= tail:
             return max(1, k)
     return n
