@@ -652,6 +652,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--masking_budget", default=TRAINED_BEFORE_RECORDED["masking_budget"],
                    choices=("bert", "tacl", "bernoulli"),
                    help="tacl_jax's stage-2 masking rule (masking.budget): bert (round(15%%) of a row's tokens), "
+                        "tacl (the authors' min(25%%, round(15%%)): the same count as bert for the sub-word masking used here), "
                         "or bernoulli (each token with probability 0.15: the peer's). Recorded like --adam_eps")
     p.add_argument("--sentences", type=int, default=500, help="sentences of --heldout for the measures")
     p.add_argument("--eval_batches", type=int, default=16)
